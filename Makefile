@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[torch,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/shared_weights.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+# pytest exits 5 when it collects no test; that is a failure here, never a pass.
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_save_load.py
+
+clean:
+	rm -rf $(VENV) build dist .mypy_cache .ruff_cache

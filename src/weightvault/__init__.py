@@ -1,0 +1,50 @@
+"""weightvault: save and load neural-network weights correctly when they are shared or frozen.
+
+``import weightvault`` loads no framework. The framework-free API answers questions about
+files; each framework has its own module with the same verbs (``weightvault.torch``)::
+
+    import weightvault
+    import weightvault.torch as wv
+
+    wv.save(model, "model.safetensors")          # every distinct tensor once
+    wv.load(model, "model.safetensors")          # ties, renames, strictness, report
+    weightvault.inspect("model.safetensors")     # names, aliases, copies, frozen, bytes
+    weightvault.verify("model.safetensors")      # checksums
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    BackendNotInstalled,
+    ChecksumError,
+    FormatError,
+    KeyMismatchError,
+    RuleError,
+    ShapeMismatchError,
+    TieConflictError,
+    WeightvaultError,
+)
+from ._inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
+from ._reports import LoadReport, SaveReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendNotInstalled",
+    "ChecksumError",
+    "DiffReport",
+    "FormatError",
+    "Inspection",
+    "KeyMismatchError",
+    "LoadReport",
+    "RuleError",
+    "SaveReport",
+    "ShapeMismatchError",
+    "TieConflictError",
+    "VerifyReport",
+    "WeightvaultError",
+    "__version__",
+    "diff",
+    "inspect",
+    "verify",
+]

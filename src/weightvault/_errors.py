@@ -1,0 +1,121 @@
+"""Errors raised by weightvault.
+
+Every error subclasses :class:`WeightvaultError` and the builtin a caller would already
+catch, so ``except ValueError`` keeps working for code that does not know us::
+
+    WeightvaultError
+      FormatError          (ValueError)   the file is not a valid checkpoint
+        ChecksumError      (ValueError)   a stored tensor's bytes do not match its checksum
+      KeyMismatchError     (ValueError)   names on disk and in the model disagree
+      ShapeMismatchError   (ValueError)   same name, different shape or dtype
+      TieConflictError     (ValueError)   the model ties names the file holds apart
+      RuleError            (ValueError)   a rename rule or pattern is malformed or unusable
+      BackendNotInstalled  (ImportError)  the framework extra is missing
+
+Messages name the file and the tensor, show capped evidence and suggest one fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "BackendNotInstalled",
+    "ChecksumError",
+    "FormatError",
+    "KeyMismatchError",
+    "RuleError",
+    "ShapeMismatchError",
+    "TieConflictError",
+    "WeightvaultError",
+]
+
+#: How many names an error message lists before it says "... and N more".
+EVIDENCE_CAP = 8
+
+
+def capped(items: Iterable[str], cap: int = EVIDENCE_CAP) -> str:
+    """Join ``items`` for a message, keeping at most ``cap`` of them."""
+    items = list(items)
+    shown = ", ".join(items[:cap])
+    if len(items) > cap:
+        shown += f", ... and {len(items) - cap} more"
+    return shown
+
+
+class WeightvaultError(Exception):
+    """Base class of every error weightvault raises on purpose."""
+
+
+class FormatError(WeightvaultError, ValueError):
+    """The file is not a valid checkpoint: bad header, offsets, dtype, manifest or bytes."""
+
+
+class ChecksumError(FormatError):
+    """A stored tensor's bytes do not match the checksum recorded when it was saved.
+
+    Attributes:
+        names: Every stored tensor whose checksum failed.
+    """
+
+    def __init__(self, message: str, names: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.names = list(names)
+
+
+class KeyMismatchError(WeightvaultError, ValueError):
+    """Names on disk and in the model disagree after renaming.
+
+    Attributes:
+        missing: Names the model has that the file cannot fill.
+        unexpected: Names the file holds that the model does not use.
+        suggestions: ``{missing_name: closest_unexpected_name}`` for near misses.
+        rule: A rename rule that would fix at least one mismatch, if one was found.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        suggestions: dict[str, str] | None = None,
+        rule: tuple[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.suggestions = dict(suggestions or {})
+        self.rule = rule
+
+
+class ShapeMismatchError(WeightvaultError, ValueError):
+    """A name exists on both sides but its shape or dtype differs.
+
+    Attributes:
+        mismatched: ``(name, on_disk, in_model)`` triples, each side as ``"F32[3, 4]"``.
+    """
+
+    def __init__(self, message: str, mismatched: Sequence[tuple[str, str, str]] = ()) -> None:
+        super().__init__(message)
+        self.mismatched = list(mismatched)
+
+
+class TieConflictError(WeightvaultError, ValueError):
+    """The model shares one tensor between names that the file holds with different values.
+
+    Attributes:
+        names: The tied model names whose values on disk disagree.
+    """
+
+    def __init__(self, message: str, names: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.names = list(names)
+
+
+class RuleError(WeightvaultError, ValueError):
+    """A rename rule or a name pattern is malformed, not invertible, or matched nothing."""
+
+
+class BackendNotInstalled(WeightvaultError, ImportError):
+    """An adapter's framework is not installed; the message gives the pip command."""

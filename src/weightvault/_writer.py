@@ -1,0 +1,134 @@
+"""Write a plan to disk: streamed, checksummed, atomic and byte-for-byte deterministic."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+
+import xxhash
+
+from ._dtypes import ITEMSIZE
+from ._header import TensorInfo, encode_header
+from ._manifest import CHECKSUM_ALGORITHM, CHECKSUM_WIDTH, MANIFEST_KEY, Manifest
+from ._plan import Plan, Stored
+
+Progress = Callable[[int], None]
+
+
+def layout(stored: list[Stored]) -> list[tuple[Stored, TensorInfo]]:
+    """Order stored tensors widest dtype first, then model order, and assign offsets.
+
+    Widest first means every tensor starts at a multiple of its item size, so an mmap-backed
+    load can hand out aligned, zero-copy tensors.
+    """
+    out = []
+    position = 0
+    for s in sorted(stored, key=lambda s: (-ITEMSIZE[s.dtype], s.order)):
+        out.append((s, TensorInfo(s.name, s.dtype, s.shape, position, position + s.nbytes)))
+        position += s.nbytes
+    return out
+
+
+def write(
+    path: str | os.PathLike[str],
+    plan: Plan,
+    *,
+    framework: str | None = None,
+    metadata: dict[str, str] | None = None,
+    checksum: bool = True,
+    progress: Progress | None = None,
+) -> int:
+    """Write ``plan`` to ``path`` atomically and return the file size.
+
+    The data is streamed tensor by tensor, never gathered in memory. Checksums are
+    computed while writing; the header is written first with fixed-width placeholders
+    and rewritten in place once they are known, so the data is read only once.
+
+    The file appears at ``path`` only after it is complete and on disk: it is written to
+    a temporary name in the same folder, fsynced, then renamed over ``path``. A crash at
+    any moment leaves the previous file at ``path`` as it was.
+    """
+    placed = layout(plan.stored)
+    manifest = Manifest(
+        aliases=plan.aliases,
+        copies=plan.copies,
+        views=plan.views,
+        frozen=plan.frozen,
+        names=plan.names,
+        checksum=CHECKSUM_ALGORITHM if checksum else None,
+        sums={s.name: "0" * CHECKSUM_WIDTH for s, _ in placed} if checksum else {},
+        metadata=dict(metadata or {}),
+    )
+    header_meta = _header_metadata(plan, framework, manifest)
+    infos = [info for _, info in placed]
+    header = encode_header(infos, header_meta)
+
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    try:
+        _write_all(fd, header)
+        for s, _ in placed:
+            data = s.data().cast("B")
+            if checksum:
+                manifest.sums[s.name] = xxhash.xxh3_64(data).hexdigest()
+            _write_all(fd, data)
+            if progress is not None:
+                progress(s.nbytes)
+        if checksum:
+            final = encode_header(infos, _header_metadata(plan, framework, manifest))
+            # Same length by construction: placeholders and digests are both 16 hex digits.
+            assert len(final) == len(header)
+            os.pwrite(fd, final, 0)
+        os.fchmod(fd, 0o644 & ~_umask())
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, target)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(folder)
+    return len(header) + sum(info.nbytes for info in infos)
+
+
+def _header_metadata(plan: Plan, framework: str | None, manifest: Manifest) -> dict[str, str]:
+    meta: dict[str, str] = {}
+    if framework:
+        meta["format"] = framework
+    # The de facto convention, so other readers (and safetensors users) see the ties.
+    meta.update(plan.aliases)
+    meta[MANIFEST_KEY] = manifest.encode()
+    return meta
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: str) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)

@@ -1,0 +1,489 @@
+"""Save and load PyTorch models and tensor dicts, with ties, copies, views and freezing.
+
+Example:
+    >>> import torch.nn as nn, weightvault.torch as wv
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    >>> model[1].weight = model[0].weight          # tie
+    >>> report = wv.save(model, "m.safetensors")   # the weight is stored once
+    >>> wv.load(model, "m.safetensors").loaded
+    ['0.weight', '0.bias', '1.weight', '1.bias']
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ._errors import BackendNotInstalled, RuleError, WeightvaultError, capped
+
+try:
+    import torch
+    from torch import nn
+except ImportError as e:  # pragma: no cover - exercised only without torch
+    raise BackendNotInstalled(
+        "weightvault.torch needs PyTorch: pip install 'weightvault[torch]'"
+    ) from e
+
+from . import _rules, _writer
+from ._match import Assignment, RulesArg, Target, plan_load
+from ._plan import Source, plan
+from ._reader import Checkpoint, Entry, open_checkpoint
+from ._reports import LoadReport, SaveReport
+
+__all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
+
+PathLike = str | os.PathLike[str]
+
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+}
+NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class UnsupportedDtypeError(WeightvaultError, TypeError):
+    """A tensor's dtype has no safetensors name (for example ``complex128``)."""
+
+
+def _dtype_name(name: str, t: torch.Tensor) -> str:
+    try:
+        return NAMES[t.dtype]
+    except KeyError:
+        raise UnsupportedDtypeError(
+            f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; "
+            f"convert it first, for example with .to(torch.float32). Supported: "
+            f"{capped([str(d) for d in DTYPES.values()], 20)}"
+        ) from None
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _region(t: torch.Tensor) -> Any:
+    def region(start: int, end: int) -> memoryview:
+        storage = t.untyped_storage()
+        if storage.device.type != "cpu":
+            storage = storage.cpu()
+        u8 = torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,), (1,))
+        return memoryview(u8.numpy())
+
+    return region
+
+
+def _source(name: str, t: torch.Tensor, identity: Any, frozen: bool) -> Source:
+    dtype = _dtype_name(name, t)
+    if t.numel() == 0 or t.device.type == "meta":
+        if t.device.type == "meta":
+            raise WeightvaultError(
+                f"tensor {name!r} is on the meta device and has no data; materialize the "
+                "model (for example with model.to_empty(device='cpu')) before saving"
+            )
+        return Source(name, dtype, tuple(t.shape), identity, lambda: _bytes(t), frozen)
+    size = t.element_size()
+    storage = (str(t.device), t.untyped_storage().data_ptr())
+    return Source(
+        name,
+        dtype,
+        tuple(t.shape),
+        identity,
+        lambda: _bytes(t),
+        frozen,
+        storage=storage,
+        offset=t.storage_offset() * size,
+        stride=tuple(t.stride()),
+        region=_region(t),
+    )
+
+
+def _layout_identity(t: torch.Tensor) -> Any:
+    if t.numel() == 0:
+        return ("object", id(t))
+    return (
+        str(t.device),
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+    )
+
+
+def _sources(obj: nn.Module | Mapping[str, torch.Tensor]) -> tuple[list[Source], list[str]]:
+    skipped: list[str] = []
+    sources: list[Source] = []
+    if isinstance(obj, nn.Module):
+        state = obj.state_dict(keep_vars=True)
+    elif isinstance(obj, Mapping):
+        state = dict(obj)
+    else:
+        raise TypeError(
+            f"save() takes an nn.Module or a dict of tensors, not {type(obj).__name__}"
+        )
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            skipped.append(name)
+            continue
+        frozen = isinstance(value, nn.Parameter) and not value.requires_grad
+        # Same memory with the same layout is one tensor, whether or not it is one object.
+        sources.append(_source(name, value, _layout_identity(value), frozen))
+    return sources, skipped
+
+
+def save(
+    obj: nn.Module | Mapping[str, torch.Tensor],
+    path: PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    checksum: bool = True,
+    dedupe_copies: bool = True,
+) -> SaveReport:
+    """Save a module or a dict of tensors, storing every distinct tensor once.
+
+    Names are ``state_dict`` names, every alias included; non-persistent buffers are left
+    out. Tied names become aliases, equal copies are stored once, and partial views of
+    one storage are stored once and come back as views. The file is a valid safetensors
+    file and is written atomically.
+
+    Args:
+        obj: An ``nn.Module`` or a ``{name: tensor}`` dict.
+        path: Where to write. An existing file is replaced only once the new one is complete.
+        metadata: Your own ``str -> str`` metadata, kept in the manifest.
+        checksum: Record an xxh3-64 checksum of every stored tensor (costs ~5% of a save).
+        dedupe_copies: Store equal but separate tensors once. Turn off only if plain
+            safetensors readers must see every name as its own tensor.
+
+    Returns:
+        What was stored, aliased and copied, and the bytes saved.
+
+    Example:
+        >>> report = save(model, "model.safetensors", metadata={"step": "1000"})
+        >>> report.aliases
+        {'lm_head.weight': 'transformer.wte.weight'}
+    """
+    sources, skipped = _sources(obj)
+    p = plan(sources, dedupe_copies=dedupe_copies)
+    file_bytes = _writer.write(
+        path, p, framework="pt", metadata=dict(metadata or {}), checksum=checksum
+    )
+    return SaveReport(
+        path=os.fspath(path),
+        stored=[s.name for s, _ in _writer.layout(p.stored)],
+        aliases=p.aliases,
+        copies=p.copies,
+        views=list(p.views),
+        frozen=p.frozen,
+        skipped=skipped,
+        logical_bytes=p.logical_bytes,
+        stored_bytes=p.stored_bytes,
+        file_bytes=file_bytes,
+    )
+
+
+def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
+    info = ckpt.stored[stored]
+    dtype = DTYPES[info.dtype]
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=dtype)
+    flat = torch.frombuffer(ckpt.raw(stored), dtype=torch.uint8)
+    if not mmap:
+        flat = flat.clone()
+    return flat.view(dtype).reshape(info.shape)
+
+
+def _value(ckpt: Checkpoint, e: Entry, base: torch.Tensor) -> torch.Tensor:
+    if e.view is None:
+        return base
+    v = e.view
+    flat = base.reshape(-1).view(torch.uint8)
+    sub = flat[v.offset : v.offset + max(v.span(), 0)].view(DTYPES[v.dtype])
+    if sub.numel() == 0:
+        return torch.empty(v.shape, dtype=DTYPES[v.dtype])
+    return sub.as_strided(v.shape, v.stride, 0)
+
+
+def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """A zero-copy tensor over the file mapping for any name (stored, alias, copy, view)."""
+    e = ckpt.entry(name)
+    return _value(ckpt, e, _base(ckpt, e.stored, mmap=True))
+
+
+def load_file(
+    path: PathLike, *, mmap: bool = False, verify: bool = False
+) -> dict[str, torch.Tensor]:
+    """Read every name in ``path`` as a tensor.
+
+    Aliases come back as one shared tensor, copies as separate tensors with equal values,
+    and views as views of their base.
+
+    Args:
+        path: A weightvault or plain safetensors file.
+        mmap: Return tensors backed by the file mapping (copy-on-write: writes never reach
+            the file). Nothing is read until used; best for inference.
+        verify: Check every checksum first.
+
+    Example:
+        >>> tensors = load_file("model.safetensors")
+        >>> tensors["lm_head.weight"] is tensors["transformer.wte.weight"]
+        True
+    """
+    with open_checkpoint(path) as ckpt:
+        if verify:
+            ckpt.verify()
+        bases = {s: _base(ckpt, s, mmap=mmap) for s in ckpt.stored}
+        out: dict[str, torch.Tensor] = {}
+        for name in ckpt.names:
+            e = ckpt.entry(name)
+            value = _value(ckpt, e, bases[e.stored])
+            out[name] = value.clone() if e.kind == "copy" else value
+        return out
+
+
+def _targets(model: nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
+    state = model.state_dict(keep_vars=True)
+    targets: list[Target] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        tensors[name] = t
+        targets.append(
+            Target(
+                name,
+                id(t),
+                NAMES.get(t.dtype, str(t.dtype)),
+                tuple(t.shape),
+                is_param=isinstance(t, nn.Parameter),
+            )
+        )
+    return targets, tensors
+
+
+def load(
+    model: nn.Module,
+    path: PathLike,
+    *,
+    strict: bool = True,
+    rules: RulesArg = (),
+    tie: bool = False,
+    restore_frozen: bool = False,
+    verify: bool = False,
+    cast: bool = False,
+    mmap: bool = False,
+) -> LoadReport:
+    """Fill ``model`` from ``path`` in place, all or nothing.
+
+    Every check (names, shapes, dtypes, ties and, with ``verify``, checksums) runs before
+    the first byte is copied, so a load that raises leaves the model exactly as it was.
+
+    Args:
+        model: The module to fill. Its own ties are kept.
+        path: A weightvault file or any safetensors file (``{alias: kept}`` metadata is
+            honoured).
+        strict: Raise on missing, unexpected or mismatched names. With ``False`` they are
+            only reported.
+        rules: ``(pattern, replacement)`` pairs that rename names on disk (``*`` captures,
+            ``None`` drops), or ``"auto"`` to pair leftovers by dtype and shape.
+        tie: Where the file ties names the model holds apart, make the model share one
+            Parameter instead of filling both.
+        restore_frozen: Set ``requires_grad`` of loaded parameters from the file's frozen
+            record.
+        verify: Check the checksums of everything to be read first.
+        cast: Allow dtypes to differ; values are converted.
+        mmap: Point parameters at the file mapping instead of copying (zero-copy, for
+            inference; copy-on-write so the file is never modified). CPU only.
+
+    Returns:
+        A report of what was loaded, renamed, missing, unexpected, mismatched and untied.
+
+    Raises:
+        KeyMismatchError: ``strict`` and names disagree; the message proposes a rule.
+        ShapeMismatchError: A shape or dtype differs.
+        TieConflictError: The model ties names that the file holds with different values.
+        ChecksumError: ``verify`` and a tensor's bytes are damaged.
+
+    Example:
+        >>> report = load(model, "ckpt.safetensors", rules=[("_orig_mod.*", "*")])
+        >>> report.missing, report.unexpected
+        ([], [])
+    """
+    targets, tensors = _targets(model)
+    with open_checkpoint(path) as ckpt:
+
+        def equal(a: str, b: str) -> bool:
+            return bool(torch.equal(_read(ckpt, a), _read(ckpt, b)))
+
+        lp = plan_load(
+            ckpt,
+            targets,
+            rules=rules,
+            strict=strict,
+            cast=cast,
+            tie=tie,
+            equal=equal,
+            label=type(model).__name__,
+        )
+        if verify:
+            ckpt.verify(sorted({ckpt.entry(a.source).stored for a in lp.assignments}))
+        if mmap:
+            _check_mmap(lp.assignments, tensors, ckpt.path)
+        with torch.no_grad():
+            for a in lp.assignments:
+                _assign(ckpt, a, tensors, mmap=mmap)
+        if tie:
+            _tie(model, lp.tie)
+    if restore_frozen:
+        for name, frozen in lp.frozen.items():
+            t = tensors[name]
+            t.requires_grad_(not frozen)
+            if frozen:
+                t.grad = None
+        lp.report.frozen = [n for n, f in lp.frozen.items() if f]
+    return lp.report
+
+
+def _check_mmap(assignments: list[Assignment], tensors: dict[str, torch.Tensor], path: str) -> None:
+    bad = [a.names[0] for a in assignments if a.cast or tensors[a.names[0]].device.type != "cpu"]
+    if bad:
+        raise WeightvaultError(
+            f"{path}: mmap=True needs CPU tensors of the stored dtype, but "
+            f"{capped(bad)} differ; load with mmap=False"
+        )
+
+
+def _assign(
+    ckpt: Checkpoint, a: Assignment, tensors: dict[str, torch.Tensor], *, mmap: bool
+) -> None:
+    target = tensors[a.names[0]]
+    source = _read(ckpt, a.source)
+    if mmap:
+        target.data = source
+    else:
+        target.copy_(source)
+
+
+def _tie(model: nn.Module, groups: list[tuple[str, ...]]) -> None:
+    for keep, *others in groups:
+        shared = model.get_parameter(keep) if _is_param(model, keep) else model.get_buffer(keep)
+        for name in others:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            if isinstance(shared, nn.Parameter):
+                setattr(owner, attr, shared)
+            else:
+                owner.register_buffer(attr, shared)
+
+
+def _is_param(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def _select(model: nn.Module, patterns: Iterable[str], verb: str) -> dict[str, nn.Parameter]:
+    params = _params_by_name(model)
+    pats = list(patterns) or ["*"]
+    chosen: dict[int, nn.Parameter] = {}
+    for pat in pats:
+        hits = _rules.glob([pat], params)
+        if not hits and "*" not in pat:
+            # A bare module name means everything under it.
+            hits = _rules.glob([f"{pat}.*"], params)
+        if not hits:
+            import difflib
+
+            close = difflib.get_close_matches(pat, list(params), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise RuleError(
+                f"{verb}(): pattern {pat!r} matches no parameter of {type(model).__name__}."
+                f"{hint} Use '*' to match any characters, as in 'encoder.*'."
+            )
+        for n in hits:
+            chosen[id(params[n])] = params[n]
+    # Every name of a chosen tensor, so a tie is frozen through all of its names.
+    return {n: p for n, p in params.items() if id(p) in chosen}
+
+
+def freeze(
+    model: nn.Module, *patterns: str, optimizer: torch.optim.Optimizer | None = None
+) -> list[str]:
+    """Freeze the parameters whose names match ``patterns`` (all if none are given).
+
+    A pattern matches any name of a parameter, aliases included, so freezing one name of
+    a tied tensor freezes all of them. Each frozen parameter gets ``requires_grad=False``
+    and loses its ``.grad``, so it costs no gradient memory. With ``optimizer``, it is also
+    removed from the optimizer's groups with its state, so momentum and weight decay
+    never move it again.
+
+    Args:
+        model: The module.
+        *patterns: Names or ``*`` patterns (``"encoder.*"``); a bare module name such as
+            ``"encoder"`` means everything under it.
+        optimizer: An optimizer that already holds the parameters.
+
+    Returns:
+        Every name frozen, aliases included.
+
+    Example:
+        >>> freeze(model, "transformer.h.*", "transformer.wte")
+        ['transformer.wte.weight', ..., 'lm_head.weight']
+    """
+    chosen = _select(model, patterns, "freeze")
+    for p in chosen.values():
+        p.requires_grad_(False)
+        p.grad = None
+    if optimizer is not None:
+        ids = {id(p) for p in chosen.values()}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in ids]
+        for p in chosen.values():
+            optimizer.state.pop(p, None)
+    return list(chosen)
+
+
+def unfreeze(model: nn.Module, *patterns: str) -> list[str]:
+    """Make the parameters matching ``patterns`` trainable again; return every name.
+
+    Remember to give them to an optimizer: ``opt.add_param_group({"params": [...]})``.
+    """
+    chosen = _select(model, patterns, "unfreeze")
+    for p in chosen.values():
+        p.requires_grad_(True)
+    return list(chosen)
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """Each trainable parameter once, in model order: what an optimizer should get.
+
+    Example:
+        >>> opt = torch.optim.AdamW(trainable(model), lr=1e-4, weight_decay=0.1)
+    """
+    return [p for p in model.parameters() if p.requires_grad]
