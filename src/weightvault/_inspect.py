@@ -135,7 +135,9 @@ def verify(path: PathLike, *, progress: Callable[[int], None] | None = None) -> 
         problems = []
         for name, info in ckpt.stored.items():
             if not ckpt.check(name):
-                problems.append(f"checksum mismatch in {name!r} ({describe(info.dtype, info.shape)})")
+                problems.append(
+                    f"checksum mismatch in {name!r} ({describe(info.dtype, info.shape)})"
+                )
             if progress is not None:
                 progress(info.nbytes)
         return VerifyReport(

@@ -83,9 +83,7 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
-def read_manifest(
-    metadata: dict[str, str], tensors: dict[str, TensorInfo], where: str
-) -> Manifest:
+def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], where: str) -> Manifest:
     """Build the manifest of a file from its header, validating every reference.
 
     Files we did not write get a manifest too: their ``{alias: kept}`` entries (written by
@@ -112,7 +110,9 @@ def read_manifest(
     m = Manifest(
         aliases=_str_map(doc.get("aliases", {}), "aliases", where),
         copies=_str_map(doc.get("copies", {}), "copies", where),
-        views={n: _view(n, v, where) for n, v in _dict(doc.get("views", {}), "views", where).items()},
+        views={
+            n: _view(n, v, where) for n, v in _dict(doc.get("views", {}), "views", where).items()
+        },
         frozen=_str_list(doc.get("frozen", []), "frozen", where),
         names=_str_list(doc.get("names", []), "names", where),
         sums=_str_map(doc.get("sums", {}), "sums", where),
@@ -174,8 +174,10 @@ def _view(name: str, value: Any, where: str) -> View:
             and isinstance(shape, list)
             and isinstance(stride, list)
             and len(shape) == len(stride) <= 64
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
-                    for d in [*shape, *stride, offset])
+            and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
+                for d in [*shape, *stride, offset]
+            )
         )
     if not ok:
         raise FormatError(f"{where}: view {name!r}: malformed view record")
@@ -185,9 +187,7 @@ def _view(name: str, value: Any, where: str) -> View:
 def _validate(m: Manifest, tensors: dict[str, TensorInfo], where: str) -> None:
     logical = [*m.aliases, *m.copies, *m.views]
     if len(set(logical)) != len(logical) or not set(logical).isdisjoint(tensors):
-        clash = sorted(
-            {n for n in logical if logical.count(n) > 1} | (set(logical) & set(tensors))
-        )
+        clash = sorted({n for n in logical if logical.count(n) > 1} | (set(logical) & set(tensors)))
         raise FormatError(f"{where}: manifest gives names {clash[:8]} more than one meaning")
     for kind, table in (("alias", m.aliases), ("copy", m.copies)):
         for name, target in table.items():

@@ -116,9 +116,10 @@ def plan_load(
         first = ckpt.entry(sources[0][1])
         for t, src in sources[1:]:
             e = ckpt.entry(src)
-            if e.value_key != first.value_key or e.value_key is None:
-                if not compare(first.name, src):
-                    conflicts.append(f"{sources[0][0].name} / {t.name}")
+            if (e.value_key != first.value_key or e.value_key is None) and not compare(
+                first.name, src
+            ):
+                conflicts.append(f"{sources[0][0].name} / {t.name}")
         used.update(ckpt.entry(src).group for _, src in sources)
         t0 = members[0]
         if first.shape != t0.shape or (first.dtype != t0.dtype and not cast):
@@ -154,12 +155,12 @@ def plan_load(
             used.add(group)
     for filled in filled_by.values():
         if len(filled) > 1:
-            names = tuple(n for ns in filled for n in ns)
+            group_names = tuple(n for ns in filled for n in ns)
             if tie:
                 out.tie.append(tuple(ns[0] for ns in filled))
-                report.tied.append(names)
+                report.tied.append(group_names)
             else:
-                report.untied.append(names)
+                report.untied.append(group_names)
 
     report.mismatched = mismatched
     if strict:
@@ -178,7 +179,9 @@ def _bytes_equal(ckpt: Checkpoint) -> Equal:
     return equal
 
 
-def _rename(ckpt: Checkpoint, rules: list[_rules.Rule]) -> tuple[dict[str, str], list]:
+def _rename(
+    ckpt: Checkpoint, rules: list[_rules.Rule]
+) -> tuple[dict[str, str], list[tuple[str, str]]]:
     avail: dict[str, str] = {}
     renamed: list[tuple[str, str]] = []
     for name in ckpt.names:
@@ -207,8 +210,9 @@ def _auto(
 ) -> None:
     """Pair unmatched names by dtype and shape, in order, when that pairing is unique."""
     target_names = {t.name for ms in groups.values() for t in ms}
-    used = {ckpt.entry(avail[t.name]).group for ms in groups.values() for t in ms
-            if t.name in avail}
+    used = {
+        ckpt.entry(avail[t.name]).group for ms in groups.values() for t in ms if t.name in avail
+    }
     need = [ms for ms in groups.values() if not any(t.name in avail for t in ms)]
     spare: dict[str, str] = {}
     for new, src in avail.items():
@@ -247,8 +251,10 @@ def _auto(
 
 def _raise_if_mismatched(ckpt: Checkpoint, report: LoadReport, label: str) -> None:
     if report.mismatched:
-        lines = [f"    {n}: {disk} on disk, {mine} in the model"
-                 for n, disk, mine in report.mismatched[:EVIDENCE_CAP]]
+        lines = [
+            f"    {n}: {disk} on disk, {mine} in the model"
+            for n, disk, mine in report.mismatched[:EVIDENCE_CAP]
+        ]
         dtype_only = all(d.split("[")[1] == m.split("[")[1] for _, d, m in report.mismatched)
         fix = (
             "Pass cast=True to convert dtypes on load."
@@ -270,8 +276,7 @@ def _raise_if_mismatched(ckpt: Checkpoint, report: LoadReport, label: str) -> No
             suggestions[name] = close[0]
     rule = propose_rule(report.missing, report.unexpected, suggestions)
     missing = [
-        f"{n} (did you mean {suggestions[n]!r}?)" if n in suggestions else n
-        for n in report.missing
+        f"{n} (did you mean {suggestions[n]!r}?)" if n in suggestions else n for n in report.missing
     ]
     lines = [
         f"Cannot load {ckpt.path!r} into {label}: {len(report.missing)} missing, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -141,10 +142,8 @@ class Checkpoint:
         # Tensors built on the map keep their own export; closing then is refused, and the
         # map is released when the last of them goes.
         if self._map is not None:
-            try:
+            with contextlib.suppress(BufferError):
                 self._map.close()
-            except BufferError:
-                pass
 
     def __enter__(self) -> Checkpoint:
         return self

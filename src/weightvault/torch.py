@@ -79,16 +79,16 @@ def _bytes(t: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _region(t: torch.Tensor) -> Any:
     def region(start: int, end: int) -> memoryview:
         storage = t.untyped_storage()
         if storage.device.type != "cpu":
-            storage = storage.cpu()
+            storage = storage.cpu()  # type: ignore[no-untyped-call]
         u8 = torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,), (1,))
-        return memoryview(u8.numpy())
+        return memoryview(u8.numpy())  # type: ignore[arg-type]
 
     return region
 
@@ -112,7 +112,7 @@ def _source(name: str, t: torch.Tensor, identity: Any, frozen: bool) -> Source:
         lambda: _bytes(t),
         frozen,
         storage=storage,
-        offset=t.storage_offset() * size,
+        offset=int(t.storage_offset()) * size,
         stride=tuple(t.stride()),
         region=_region(t),
     )
@@ -139,9 +139,7 @@ def _sources(obj: nn.Module | Mapping[str, torch.Tensor]) -> tuple[list[Source],
     elif isinstance(obj, Mapping):
         state = dict(obj)
     else:
-        raise TypeError(
-            f"save() takes an nn.Module or a dict of tensors, not {type(obj).__name__}"
-        )
+        raise TypeError(f"save() takes an nn.Module or a dict of tensors, not {type(obj).__name__}")
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             skipped.append(name)
@@ -221,7 +219,7 @@ def _value(ckpt: Checkpoint, e: Entry, base: torch.Tensor) -> torch.Tensor:
     sub = flat[v.offset : v.offset + max(v.span(), 0)].view(DTYPES[v.dtype])
     if sub.numel() == 0:
         return torch.empty(v.shape, dtype=DTYPES[v.dtype])
-    return sub.as_strided(v.shape, v.stride, 0)
+    return sub.as_strided(v.shape, v.stride)
 
 
 def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:

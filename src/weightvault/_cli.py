@@ -1,0 +1,233 @@
+"""The ``weightvault`` command line: inspect, verify and diff checkpoint files.
+
+Exit codes (also in ``weightvault --help``):
+    0  success: the file is intact, or the two files are identical
+    1  a check failed: verify found damage, or diff found differences
+    2  usage error (bad arguments)
+    3  an input could not be read: missing file, or not a valid checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any, TextIO
+
+from . import __version__
+from ._errors import FormatError
+from ._inspect import diff, inspect, verify
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
+
+EPILOG = """\
+exit codes:
+  0  success (intact file, identical files)
+  1  a check failed (verify found damage, diff found differences)
+  2  usage error
+  3  an input could not be read (missing file, not a checkpoint)
+
+examples:
+  weightvault inspect model.safetensors
+  weightvault inspect model.safetensors --json | jq .aliases
+  weightvault verify model.safetensors
+  weightvault diff step100.safetensors step200.safetensors
+"""
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _table(rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+class _Progress:
+    """A one-line byte counter on stderr, shown only on a terminal."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = max(total, 1), label, 0
+        self.on = sys.stderr.isatty()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.on:
+            pct = 100 * self.done // self.total
+            sys.stderr.write(f"\r{self.label} {pct:3d}% of {_size(self.total)}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.on:
+            sys.stderr.write("\r" + " " * 60 + "\r")
+
+
+def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
+    info = inspect(args.file)
+    if args.json:
+        doc = asdict(info)
+        doc["bytes_saved"] = info.bytes_saved
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+        return EXIT_OK
+    kind = f"weightvault v{info.format_version}" if info.format_version else "plain safetensors"
+    out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
+    rows = [["name", "dtype", "shape", "size", "held as"]]
+    members: dict[str, list[str]] = {}
+    for name, rec in info.tensors.items():
+        if rec.kind != "stored":
+            members.setdefault(rec.stored, []).append(name)
+    for name in info.stored:
+        t = info.tensors.get(name)
+        if t is None:  # storage shared by views, not itself a model name
+            rows.append([name, "U8", "", "", "shared storage"])
+            continue
+        flag = " (frozen)" if name in info.frozen else ""
+        rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
+        for other in members.get(name, []):
+            o = info.tensors[other]
+            how = {"alias": "alias of", "copy": "copy of", "view": "view of"}[o.kind]
+            rows.append([f"  {other}", o.dtype, str(list(o.shape)), "0 B", f"{how} {name}"])
+    _table(rows, out)
+    out.write(
+        f"\nlogical {_size(info.logical_bytes)}, stored {_size(info.stored_bytes)}, "
+        f"saved by deduplication {_size(info.bytes_saved)}; "
+        f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
+        f"{len(info.frozen)} frozen\n"
+    )
+    if info.metadata:
+        out.write(f"metadata: {json.dumps(info.metadata)}\n")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
+    with open(args.file, "rb"):
+        pass  # an unreadable path is exit 3, not "damaged"
+    try:
+        total = inspect(args.file).stored_bytes
+    except (FormatError, OSError):
+        total = 0
+    bar = _Progress(total, "verifying")
+    report = verify(args.file, progress=bar)
+    bar.close()
+    if args.json:
+        json.dump(asdict(report), out, indent=2)
+        out.write("\n")
+    elif report.ok:
+        note = "" if report.has_checksums else " (no checksums recorded: structure only)"
+        out.write(f"{report.path}: OK, {report.checked} tensors checked{note}\n")
+    else:
+        out.write(f"{report.path}: DAMAGED\n")
+        for p in report.problems:
+            out.write(f"  {p}\n")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
+    d = diff(args.a, args.b)
+    changed = [(n, v) for n, v in d.changed if v is None or v > args.atol]
+    if args.json:
+        doc = asdict(d)
+        doc["changed"] = changed
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+    else:
+        for n in d.removed:
+            out.write(f"- {n}\n")
+        for n in d.added:
+            out.write(f"+ {n}\n")
+        for n, a, b in d.reshaped:
+            out.write(f"~ {n}: {a} -> {b}\n")
+        for n, v in changed:
+            out.write(f"~ {n}: max abs diff {'?' if v is None else f'{v:.6g}'}\n")
+        out.write(
+            f"{len(d.removed)} removed, {len(d.added)} added, {len(d.reshaped)} reshaped, "
+            f"{len(changed)} changed, {d.same} identical\n"
+        )
+    return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weightvault",
+        description="Inspect, verify and compare weight files that store every distinct "
+        "tensor once (valid safetensors; plain safetensors files work too).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"weightvault {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable[..., int], help: str, epilog: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(func=func)
+        return p
+
+    p = add(
+        "inspect",
+        cmd_inspect,
+        "List every name with its dtype, shape and size, grouped by the tensor it shares; "
+        "only the header is read.",
+        "example:\n  weightvault inspect model.safetensors\n"
+        "  weightvault inspect model.safetensors --json",
+    )
+    p.add_argument("file", help="a weightvault or safetensors file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add(
+        "verify",
+        cmd_verify,
+        "Check the file's structure and every tensor's checksum; exit 1 naming each "
+        "damaged tensor.",
+        "example:\n  weightvault verify model.safetensors && echo intact",
+    )
+    p.add_argument("file", help="a weightvault or safetensors file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add(
+        "diff",
+        cmd_diff,
+        "List names removed (-), added (+) and changed (~, with the max abs difference) "
+        "from A to B; exit 1 if they differ.",
+        "example:\n  weightvault diff step100.safetensors step200.safetensors --atol 1e-6",
+    )
+    p.add_argument("a", help="the first file")
+    p.add_argument("b", help="the second file")
+    p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the CLI and return its exit code (see the module docstring)."""
+    out = out or sys.stdout
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) and EXIT_USAGE
+    try:
+        result: Any = args.func(args, out)
+        return int(result)
+    except (FormatError, OSError) as e:
+        sys.stderr.write(f"weightvault {args.command}: {e}\n")
+        return EXIT_UNREADABLE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

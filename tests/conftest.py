@@ -1,0 +1,9 @@
+"""Shared fixtures: small models that each isolate one sharing case."""
+
+from __future__ import annotations
+
+import os
+
+# Tests never reach the network; transformers must not try.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
