@@ -10,7 +10,7 @@ from ._dtypes import describe
 from ._errors import FormatError
 from ._manifest import FORMAT_VERSION
 from ._plan import same_bytes
-from ._reader import Checkpoint, open_checkpoint
+from ._reader import Checkpoint, open_checkpoint, opened
 
 PathLike = str | os.PathLike[str]
 
@@ -81,12 +81,12 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
         frozen=list(m.frozen),
         logical_bytes=sum(r.nbytes for r in records.values()),
         stored_bytes=sum(t.nbytes for t in ckpt.stored.values()),
-        file_bytes=ckpt.header.file_size,
+        file_bytes=ckpt.size,
         metadata=dict(m.metadata),
         tensors=records,
         format_version=FORMAT_VERSION if m.ours else None,
         checksum=m.checksum,
-        framework=ckpt.header.metadata.get("format"),
+        framework=ckpt.framework,
     )
 
 
@@ -100,7 +100,7 @@ def inspect(path: PathLike) -> Inspection:
         >>> info.logical_bytes - info.stored_bytes   # saved by deduplication
         154389504
     """
-    with open_checkpoint(path) as ckpt:
+    with opened(path) as ckpt:
         return _inspection(ckpt)
 
 
@@ -182,7 +182,7 @@ def diff(a: PathLike, b: PathLike) -> DiffReport:
         >>> d.changed[:1]
         [('lm_head.weight', 0.0123)]
     """
-    with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
+    with opened(a) as ca, opened(b) as cb:
         out = DiffReport(ca.path, cb.path)
         names_b = set(cb.names)
         out.removed = [n for n in ca.names if n not in names_b]

@@ -1,17 +1,24 @@
-"""Open a checkpoint for reading: validated header, manifest, and mmap-backed bytes."""
+"""Checkpoints open for reading: validated names, a manifest, and bytes on demand.
+
+:class:`Checkpoint` is what the load policy and every adapter read from. Its bytes may
+come from a safetensors file (:class:`SafetensorsFile`, mmap-backed), from arrays decoded
+out of a foreign format (:class:`MemoryCheckpoint`) or from a vault; the policy cannot
+tell the difference, so renames, strictness, ties and frozen flags behave the same for all.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import xxhash
 
-from ._dtypes import ITEMSIZE
-from ._errors import ChecksumError, FormatError
+from ._dtypes import ITEMSIZE, numel
+from ._errors import ChecksumError, FormatError, capped
 from ._header import Header, TensorInfo, read_header
 from ._manifest import INTERNAL_PREFIX, Manifest, View, read_manifest
 
@@ -20,7 +27,7 @@ Kind = Literal["stored", "alias", "copy", "view"]
 
 @dataclass(frozen=True)
 class Entry:
-    """One name in a file, whatever way it is held."""
+    """One name in a checkpoint, whatever way it is held."""
 
     name: str
     kind: Kind
@@ -41,41 +48,23 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape) * ITEMSIZE[self.dtype]
 
 
 class Checkpoint:
-    """A validated, memory-mapped checkpoint file.
+    """Names, manifest and bytes of one checkpoint, however it is kept.
 
-    Nothing is read beyond the header until bytes are asked for, and bytes come straight
-    from the page cache through ``mmap``.
-
-    Example:
-        >>> with Checkpoint("model.safetensors") as ckpt:
-        ...     ckpt.entry("lm_head.weight").kind
-        'alias'
+    Subclasses provide :meth:`raw` and, if they can, :meth:`check`.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        with open(self.path, "rb") as f:
-            self.header: Header = read_header(f, self.path)
-            self.manifest: Manifest = read_manifest(
-                self.header.metadata, self.header.tensors, self.path
-            )
-            # MAP_PRIVATE: tensors built on this map may be written without touching the file.
-            self._map = (
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                if self.header.file_size > self.header.data_start
-                else None
-            )
+    def __init__(self, path: str, stored: dict[str, TensorInfo], manifest: Manifest) -> None:
+        self.path = path
+        self.stored = stored
+        self.manifest = manifest
         self.entries = self._entries()
 
     def _entries(self) -> dict[str, Entry]:
-        t, m = self.header.tensors, self.manifest
+        t, m = self.stored, self.manifest
         out: dict[str, Entry] = {}
         for name in m.names:
             if name in t:
@@ -97,8 +86,13 @@ class Checkpoint:
         return list(self.entries)
 
     @property
-    def stored(self) -> dict[str, TensorInfo]:
-        return self.header.tensors
+    def size(self) -> int:
+        """Bytes the checkpoint occupies where it is kept."""
+        return sum(t.nbytes for t in self.stored.values())
+
+    @property
+    def framework(self) -> str | None:
+        return None
 
     def is_internal(self, name: str) -> bool:
         return name.startswith(INTERNAL_PREFIX)
@@ -107,19 +101,12 @@ class Checkpoint:
         return self.entries[name]
 
     def raw(self, stored: str) -> memoryview:
-        """The bytes of a stored tensor, as a view into the file mapping."""
-        info = self.header.tensors[stored]
-        if self._map is None or info.nbytes == 0:
-            return memoryview(b"")
-        start = self.header.data_start + info.start
-        return memoryview(self._map)[start : start + info.nbytes]
+        """The bytes of a stored tensor."""
+        raise NotImplementedError
 
     def check(self, stored: str) -> bool:
         """Whether ``stored``'s bytes match their checksum (``True`` if none was recorded)."""
-        expected = self.manifest.sums.get(stored)
-        if expected is None:
-            return True
-        return xxhash.xxh3_64(self.raw(stored)).hexdigest() == expected
+        return True
 
     def verify(self, stored: list[str] | None = None) -> None:
         """Check the checksums of ``stored`` (default: all), before any byte is used.
@@ -127,23 +114,17 @@ class Checkpoint:
         Raises:
             ChecksumError: Naming every tensor whose bytes changed since it was saved.
         """
-        names = list(self.header.tensors) if stored is None else stored
+        names = list(self.stored) if stored is None else stored
         bad = [n for n in names if not self.check(n)]
         if bad:
-            from ._errors import capped
-
             raise ChecksumError(
                 f"{self.path}: checksum mismatch in {len(bad)} tensor(s): {capped(bad)}. "
-                "The file was damaged after it was saved; restore it from a good copy.",
+                "The data was damaged after it was saved; restore it from a good copy.",
                 bad,
             )
 
     def close(self) -> None:
-        # Tensors built on the map keep their own export; closing then is refused, and the
-        # map is released when the last of them goes.
-        if self._map is not None:
-            with contextlib.suppress(BufferError):
-                self._map.close()
+        """Release what the checkpoint holds open."""
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -152,11 +133,117 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open ``path``, raising :class:`FormatError` for anything that is not a checkpoint."""
+class SafetensorsFile(Checkpoint):
+    """A validated, memory-mapped safetensors file (ours or anyone's).
+
+    Nothing is read beyond the header until bytes are asked for, and bytes come straight
+    from the page cache through ``mmap``.
+
+    Example:
+        >>> with SafetensorsFile("model.safetensors") as ckpt:
+        ...     ckpt.entry("lm_head.weight").kind
+        'alias'
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        where = os.fspath(path)
+        with open(where, "rb") as f:
+            self.header: Header = read_header(f, where)
+            manifest = read_manifest(self.header.metadata, self.header.tensors, where)
+            # MAP_PRIVATE: tensors built on this map may be written without touching the file.
+            self._map = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if self.header.file_size > self.header.data_start
+                else None
+            )
+        super().__init__(where, self.header.tensors, manifest)
+
+    @property
+    def size(self) -> int:
+        return self.header.file_size
+
+    @property
+    def framework(self) -> str | None:
+        return self.header.metadata.get("format")
+
+    def raw(self, stored: str) -> memoryview:
+        info = self.stored[stored]
+        if self._map is None or info.nbytes == 0:
+            return memoryview(b"")
+        start = self.header.data_start + info.start
+        return memoryview(self._map)[start : start + info.nbytes]
+
+    def check(self, stored: str) -> bool:
+        expected = self.manifest.sums.get(stored)
+        if expected is None:
+            return True
+        return xxhash.xxh3_64(self.raw(stored)).hexdigest() == expected
+
+    def close(self) -> None:
+        # Tensors built on the map keep their own export; closing then is refused, and the
+        # map is released when the last of them goes.
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+
+
+class MemoryCheckpoint(Checkpoint):
+    """A checkpoint over buffers already in memory, such as arrays decoded from MXNet.
+
+    Args:
+        path: Where the data came from, for messages.
+        arrays: ``{name: (dtype, shape, bytes)}`` in the source's order.
+        manifest: Aliases, copies and so on; by default every name is stored.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        arrays: Mapping[str, tuple[str, tuple[int, ...], memoryview | bytes]],
+        manifest: Manifest | None = None,
+    ) -> None:
+        self._data: dict[str, memoryview] = {}
+        stored: dict[str, TensorInfo] = {}
+        m = manifest or Manifest(names=list(arrays), ours=False)
+        position = 0
+        for name, (dtype, shape, data) in arrays.items():
+            view = memoryview(data).cast("B")
+            if view.nbytes != numel(shape) * ITEMSIZE[dtype]:
+                raise FormatError(
+                    f"{path}: tensor {name!r}: {dtype}{list(shape)} needs "
+                    f"{numel(shape) * ITEMSIZE[dtype]} bytes, got {view.nbytes}"
+                )
+            if name in m.aliases or name in m.copies or name in m.views:
+                continue
+            self._data[name] = view
+            stored[name] = TensorInfo(name, dtype, tuple(shape), position, position + view.nbytes)
+            position += view.nbytes
+        super().__init__(path, stored, m)
+
+    def raw(self, stored: str) -> memoryview:
+        return self._data[stored]
+
+
+@contextlib.contextmanager
+def opened(path: str | os.PathLike[str] | Checkpoint) -> Iterator[Checkpoint]:
+    """Open ``path`` for the ``with`` block; a :class:`Checkpoint` passed in stays open."""
+    ckpt = open_checkpoint(path)
     try:
-        return Checkpoint(path)
-    except FormatError:
-        raise
+        yield ckpt
+    finally:
+        if ckpt is not path:
+            ckpt.close()
+
+
+def open_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
+    """Open ``path`` (or pass a :class:`Checkpoint` through).
+
+    Raises:
+        FormatError: The file is not a valid checkpoint.
+    """
+    if isinstance(path, Checkpoint):
+        return path
+    try:
+        return SafetensorsFile(path)
     except IsADirectoryError as e:
         raise FormatError(f"{os.fspath(path)}: is a directory, not a checkpoint file") from e

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -28,12 +29,13 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 from . import _rules, _writer
 from ._match import Assignment, RulesArg, Target, plan_load
 from ._plan import Source, plan
-from ._reader import Checkpoint, Entry, open_checkpoint
+from ._reader import Checkpoint, Entry, opened
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 
 PathLike = str | os.PathLike[str]
+Source_ = PathLike | Checkpoint
 
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -205,9 +207,16 @@ def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
     dtype = DTYPES[info.dtype]
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dtype)
-    flat = torch.frombuffer(ckpt.raw(stored), dtype=torch.uint8)
-    if not mmap:
-        flat = flat.clone()
+    data = ckpt.raw(stored)
+    if data.readonly:
+        # Read-only memory (decoded foreign formats) can back no tensor safely: copy it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8).clone()
+    else:
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        if not mmap:
+            flat = flat.clone()
     return flat.view(dtype).reshape(info.shape)
 
 
@@ -229,7 +238,7 @@ def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
 
 
 def load_file(
-    path: PathLike, *, mmap: bool = False, verify: bool = False
+    path: Source_, *, mmap: bool = False, verify: bool = False
 ) -> dict[str, torch.Tensor]:
     """Read every name in ``path`` as a tensor.
 
@@ -247,7 +256,7 @@ def load_file(
         >>> tensors["lm_head.weight"] is tensors["transformer.wte.weight"]
         True
     """
-    with open_checkpoint(path) as ckpt:
+    with opened(path) as ckpt:
         if verify:
             ckpt.verify()
         bases = {s: _base(ckpt, s, mmap=mmap) for s in ckpt.stored}
@@ -281,7 +290,7 @@ def _targets(model: nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
 
 def load(
     model: nn.Module,
-    path: PathLike,
+    path: Source_,
     *,
     strict: bool = True,
     rules: RulesArg = (),
@@ -328,7 +337,7 @@ def load(
         ([], [])
     """
     targets, tensors = _targets(model)
-    with open_checkpoint(path) as ckpt:
+    with opened(path) as ckpt:
 
         def equal(a: str, b: str) -> bool:
             return bool(torch.equal(_read(ckpt, a), _read(ckpt, b)))
