@@ -156,6 +156,29 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
 
 
+Subparsers = Any  # argparse's _SubParsersAction, which is private
+
+
+def add_command(
+    sub: Subparsers, name: str, func: Callable[..., int], help: str, epilog: str
+) -> argparse.ArgumentParser:
+    """Add one subcommand whose handler is ``func(args, out) -> exit code``."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=help,
+        description=help,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(func=func)
+    return p
+
+
+def _extensions() -> list[Callable[[Subparsers], None]]:
+    """Subcommands that live in their own modules; each registers itself on ``sub``."""
+    return []
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightvault",
@@ -168,15 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Callable[..., int], help: str, epilog: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(
-            name,
-            help=help,
-            description=help,
-            epilog=epilog,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        p.set_defaults(func=func)
-        return p
+        return add_command(sub, name, func, help, epilog)
 
     p = add(
         "inspect",
@@ -210,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", help="the second file")
     p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    for register in _extensions():
+        register(sub)
     return parser
 
 
