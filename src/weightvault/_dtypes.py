@@ -14,6 +14,8 @@ ITEMSIZE: dict[str, int] = {
     "F8_E5M2": 1,
     "F8_E4M3": 1,
     "F8_E8M0": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
     "I16": 2,
     "U16": 2,
     "F16": 2,

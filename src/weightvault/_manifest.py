@@ -135,8 +135,7 @@ def _foreign_manifest(
         while target not in tensors and target in metadata and target not in seen:
             seen.add(target)
             target = metadata[target]
-        if target in seen:
-            raise FormatError(f"{where}: metadata aliases form a cycle through {key!r}")
+        # A chain that ends nowhere, cycles included, names no tensor: plain metadata.
         if target in tensors:
             aliases[key] = target
     names = list(tensors) + list(aliases)

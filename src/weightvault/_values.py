@@ -23,7 +23,7 @@ _NUMPY = {
 }
 
 
-def _f8_table(np: Any, exp_bits: int, man_bits: int, bias: int, fn: bool) -> Any:
+def _f8_table(np: Any, exp_bits: int, man_bits: int, bias: int, fn: bool, uz: bool = False) -> Any:
     codes = np.arange(256, dtype=np.int64)
     sign = np.where(codes >> 7, -1.0, 1.0)
     e = (codes >> man_bits) & ((1 << exp_bits) - 1)
@@ -32,7 +32,9 @@ def _f8_table(np: Any, exp_bits: int, man_bits: int, bias: int, fn: bool) -> Any
     sub = (m / (1 << man_bits)) * np.exp2(1 - bias)
     out = sign * np.where(e == 0, sub, normal)
     top = (1 << exp_bits) - 1
-    if fn:  # E4M3FN: no infinities, only S.1111.111 is NaN
+    if uz:  # FNUZ: no infinities, no negative zero; 0x80 is the only NaN
+        out[128] = np.nan
+    elif fn:  # E4M3FN: no infinities, only S.1111.111 is NaN
         out[(e == top) & (m == (1 << man_bits) - 1)] = np.nan
     else:
         out[(e == top) & (m == 0)] *= np.inf
@@ -56,6 +58,10 @@ def as_numpy(ckpt: Checkpoint, name: str) -> Any:
         flat = _f8_table(np, 4, 3, 7, True)[raw]
     elif dtype == "F8_E5M2":
         flat = _f8_table(np, 5, 2, 15, False)[raw]
+    elif dtype == "F8_E4M3FNUZ":
+        flat = _f8_table(np, 4, 3, 8, True, uz=True)[raw]
+    elif dtype == "F8_E5M2FNUZ":
+        flat = _f8_table(np, 5, 2, 16, True, uz=True)[raw]
     elif dtype == "F8_E8M0":
         flat = np.where(raw == 255, np.nan, np.exp2(raw.astype(np.float64) - 127))
     else:

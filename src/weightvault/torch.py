@@ -44,6 +44,8 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E8M0": torch.float8_e8m0fnu,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
     "I16": torch.int16,
     "U16": torch.uint16,
     "F16": torch.float16,
@@ -356,9 +358,14 @@ def load(
             ckpt.verify(sorted({ckpt.entry(a.source).stored for a in lp.assignments}))
         if mmap:
             _check_mmap(lp.assignments, tensors, ckpt.path)
+        mapped: set[str] = set()
         with torch.no_grad():
             for a in lp.assignments:
-                _assign(ckpt, a, tensors, mmap=mmap)
+                # A second model tensor read from the same bytes (untied, or a copy) must
+                # not share the mapping with the first, or writing one would change both.
+                stored = ckpt.entry(a.source).stored
+                _assign(ckpt, a, tensors, mmap=mmap and stored not in mapped)
+                mapped.add(stored)
         if tie:
             _tie(model, lp.tie)
     if restore_frozen:
