@@ -10,7 +10,9 @@ Exit codes (also in ``weightvault --help``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -27,7 +29,8 @@ exit codes:
   0  success (intact file, identical files)
   1  a check failed (verify found damage, diff found differences)
   2  usage error
-  3  an input could not be read (missing file, not a checkpoint)
+  3  an input could not be read (missing file; for inspect and diff, also a
+     file that is not a checkpoint; verify reports that as damage, exit 1)
 
 examples:
   weightvault inspect model.safetensors
@@ -88,11 +91,12 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
             members.setdefault(rec.stored, []).append(name)
     for name in info.stored:
         t = info.tensors.get(name)
-        if t is None:  # storage shared by views, not itself a model name
-            rows.append([name, "U8", "", "", "shared storage"])
-            continue
-        flag = " (frozen)" if name in info.frozen else ""
-        rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
+        if t is None:  # storage that several views share, not itself a model name
+            size = _size(info.shared_storage[name])
+            rows.append([name, "U8", "", size, "storage shared by views"])
+        else:
+            flag = " (frozen)" if name in info.frozen else ""
+            rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
         for other in members.get(name, []):
             o = info.tensors[other]
             how = {"alias": "alias of", "copy": "copy of", "view": "view of"}[o.kind]
@@ -135,6 +139,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     d = diff(args.a, args.b)
     changed = [(n, v) for n, v in d.changed if v is None or v > args.atol]
+    within = len(d.changed) - len(changed)
     if args.json:
         doc = asdict(d)
         doc["changed"] = changed
@@ -151,7 +156,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"~ {n}: max abs diff {'?' if v is None else f'{v:.6g}'}\n")
         out.write(
             f"{len(d.removed)} removed, {len(d.added)} added, {len(d.reshaped)} reshaped, "
-            f"{len(changed)} changed, {d.same} identical\n"
+            f"{len(changed)} changed, {within} within --atol, {d.same} identical\n"
         )
     return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
 
@@ -241,6 +246,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     try:
         result: Any = args.func(args, out)
         return int(result)
+    except BrokenPipeError:
+        # `weightvault inspect f | head` closed our stdout: not an error of ours.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return EXIT_OK
     except (FormatError, OSError) as e:
         sys.stderr.write(f"weightvault {args.command}: {e}\n")
         return EXIT_UNREADABLE

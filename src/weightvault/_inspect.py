@@ -42,6 +42,7 @@ class Inspection:
         stored_bytes: Tensor bytes in the file.
         metadata: Your metadata (for a plain safetensors file: its ``__metadata__``).
         tensors: A :class:`TensorRecord` per name.
+        shared_storage: Bytes of each stored region that only views read (no model name).
     """
 
     path: str
@@ -59,6 +60,7 @@ class Inspection:
     format_version: int | None
     checksum: str | None
     framework: str | None
+    shared_storage: dict[str, int] = field(default_factory=dict)
 
     @property
     def bytes_saved(self) -> int:
@@ -87,6 +89,7 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
         format_version=FORMAT_VERSION if m.ours else None,
         checksum=m.checksum,
         framework=ckpt.framework,
+        shared_storage={n: t.nbytes for n, t in ckpt.stored.items() if ckpt.is_internal(n)},
     )
 
 
