@@ -11,6 +11,9 @@ import weightvault
 def test_all_is_pinned():
     assert weightvault.__all__ == [
         "BackendNotInstalled",
+        "CheckpointExistsError",
+        "CheckpointNotFoundError",
+        "CheckpointRecord",
         "ChecksumError",
         "DiffReport",
         "FormatError",
@@ -21,6 +24,8 @@ def test_all_is_pinned():
         "SaveReport",
         "ShapeMismatchError",
         "TieConflictError",
+        "Vault",
+        "VaultVerifyReport",
         "VerifyReport",
         "WeightvaultError",
         "__version__",

@@ -10,12 +10,15 @@ files; each framework has its own module with the same verbs (``weightvault.torc
     wv.load(model, "model.safetensors")          # ties, renames, strictness, report
     weightvault.inspect("model.safetensors")     # names, aliases, copies, frozen, bytes
     weightvault.verify("model.safetensors")      # checksums
+    weightvault.Vault("runs/ft").save(model)     # a checkpoint store, unchanged tensors once
 """
 
 from __future__ import annotations
 
 from ._errors import (
     BackendNotInstalled,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
     ChecksumError,
     FormatError,
     KeyMismatchError,
@@ -26,11 +29,15 @@ from ._errors import (
 )
 from ._inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
 from ._reports import LoadReport, SaveReport
+from ._vault import CheckpointRecord, Vault, VaultVerifyReport
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendNotInstalled",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointRecord",
     "ChecksumError",
     "DiffReport",
     "FormatError",
@@ -41,6 +48,8 @@ __all__ = [
     "SaveReport",
     "ShapeMismatchError",
     "TieConflictError",
+    "Vault",
+    "VaultVerifyReport",
     "VerifyReport",
     "WeightvaultError",
     "__version__",

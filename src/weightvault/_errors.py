@@ -10,6 +10,8 @@ catch, so ``except ValueError`` keeps working for code that does not know us::
       ShapeMismatchError   (ValueError)   same name, different shape or dtype
       TieConflictError     (ValueError)   the model ties names the file holds apart
       RuleError            (ValueError)   a rename rule or pattern is malformed or unusable
+      CheckpointExistsError    (FileExistsError)  a vault checkpoint name is taken
+      CheckpointNotFoundError  (LookupError)      no vault checkpoint has that name
       BackendNotInstalled  (ImportError)  the framework extra is missing
 
 Messages name the file and the tensor, show capped evidence and suggest one fix.
@@ -21,6 +23,8 @@ from collections.abc import Iterable, Sequence
 
 __all__ = [
     "BackendNotInstalled",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
     "ChecksumError",
     "FormatError",
     "KeyMismatchError",
@@ -115,6 +119,14 @@ class TieConflictError(WeightvaultError, ValueError):
 
 class RuleError(WeightvaultError, ValueError):
     """A rename rule or a name pattern is malformed, not invertible, or matched nothing."""
+
+
+class CheckpointExistsError(WeightvaultError, FileExistsError):
+    """A vault checkpoint of that name exists already; names are never reused."""
+
+
+class CheckpointNotFoundError(WeightvaultError, LookupError):
+    """No vault checkpoint has that name."""
 
 
 class BackendNotInstalled(WeightvaultError, ImportError):

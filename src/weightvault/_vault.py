@@ -35,7 +35,13 @@ from typing import Any
 
 import blake3
 
-from ._errors import FormatError, WeightvaultError, capped
+from ._errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    FormatError,
+    WeightvaultError,
+    capped,
+)
 from ._header import TensorInfo, encode_header, parse_header
 from ._manifest import MANIFEST_KEY, Manifest, read_manifest
 from ._plan import Plan, Stored, plan
@@ -51,14 +57,6 @@ STALE_SECONDS = 3600.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 Progress = Callable[[int], None]
-
-
-class CheckpointExistsError(WeightvaultError, FileExistsError):
-    """A checkpoint of that name is already in the vault; names are never reused."""
-
-
-class CheckpointNotFoundError(WeightvaultError, LookupError):
-    """No checkpoint of that name is in the vault."""
 
 
 def content_hash(data: memoryview | bytes) -> str:
