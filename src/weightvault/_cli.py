@@ -19,8 +19,9 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from . import __version__
-from ._errors import FormatError
-from ._inspect import diff, inspect, verify
+from ._errors import FormatError, WeightvaultError
+from ._inspect import Inspection, diff, inspect, verify
+from ._progress import Progress, human
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
 
@@ -37,41 +38,17 @@ examples:
   weightvault inspect model.safetensors --json | jq .aliases
   weightvault verify model.safetensors
   weightvault diff step100.safetensors step200.safetensors
+  weightvault vault runs/ft log            (see: weightvault vault --help)
 """
 
 
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+_size = human
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
-
-
-class _Progress:
-    """A one-line byte counter on stderr, shown only on a terminal."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.done = max(total, 1), label, 0
-        self.on = sys.stderr.isatty()
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.on:
-            pct = 100 * self.done // self.total
-            sys.stderr.write(f"\r{self.label} {pct:3d}% of {_size(self.total)}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.on:
-            sys.stderr.write("\r" + " " * 60 + "\r")
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
@@ -84,6 +61,12 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_OK
     kind = f"weightvault v{info.format_version}" if info.format_version else "plain safetensors"
     out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
+    print_inspection(info, out)
+    return EXIT_OK
+
+
+def print_inspection(info: Inspection, out: TextIO) -> None:
+    """The table of names grouped by the tensor they share, and the totals."""
     rows = [["name", "dtype", "shape", "size", "held as"]]
     members: dict[str, list[str]] = {}
     for name, rec in info.tensors.items():
@@ -110,7 +93,6 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     )
     if info.metadata:
         out.write(f"metadata: {json.dumps(info.metadata)}\n")
-    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -120,7 +102,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         total = inspect(args.file).stored_bytes
     except (FormatError, OSError):
         total = 0
-    bar = _Progress(total, "verifying")
+    bar = Progress(total, "verifying")
     report = verify(args.file, progress=bar)
     bar.close()
     if args.json:
@@ -181,7 +163,9 @@ def add_command(
 
 def _extensions() -> list[Callable[[Subparsers], None]]:
     """Subcommands that live in their own modules; each registers itself on ``sub``."""
-    return []
+    from . import _cli_vault
+
+    return [_cli_vault.register]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,7 +235,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         return EXIT_OK
-    except (FormatError, OSError) as e:
+    except (WeightvaultError, OSError) as e:
         sys.stderr.write(f"weightvault {args.command}: {e}\n")
         return EXIT_UNREADABLE
 

@@ -12,7 +12,7 @@ from ._manifest import FORMAT_VERSION
 from ._plan import same_bytes
 from ._reader import Checkpoint, open_checkpoint, opened
 
-PathLike = str | os.PathLike[str]
+PathLike = str | os.PathLike[str] | Checkpoint
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class VerifyReport:
     has_checksums: bool = True
 
 
-def verify(path: PathLike, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify(path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check a file's structure and every stored tensor's checksum.
 
     A structurally broken file is reported, not raised, so a caller can treat every kind

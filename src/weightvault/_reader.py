@@ -13,7 +13,7 @@ import mmap
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Self
 
 import xxhash
 
@@ -126,7 +126,7 @@ class Checkpoint:
     def close(self) -> None:
         """Release what the checkpoint holds open."""
 
-    def __enter__(self) -> Checkpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -244,6 +244,12 @@ def open_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
     if isinstance(path, Checkpoint):
         return path
     try:
+        # Foreign formats are recognised by their first bytes; anything else, malformed
+        # safetensors included, goes to the safetensors reader for its precise errors.
+        from .formats import FOREIGN, detect, open_any
+
+        if detect(path) in FOREIGN:
+            return open_any(path)
         return SafetensorsFile(path)
     except IsADirectoryError as e:
         raise FormatError(f"{os.fspath(path)}: is a directory, not a checkpoint file") from e
