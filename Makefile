@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo demo-shared test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[torch,dev]"
 	touch $(STAMP)
 
+# The main job: fine-tune GPT-2's last block, checkpointing into ./demo-vault.
 demo: $(STAMP)
+	$(BIN)/python examples/finetune.py
+
+# The three seed scenarios (shared layers, renamed/subset loads, a frozen kernel).
+demo-shared: $(STAMP)
 	$(BIN)/python examples/shared_weights.py
 
 lint: $(STAMP)

@@ -89,3 +89,18 @@ def test_demo_runs_and_prints_the_seed_numbers() -> None:
     assert re.search(r"trainable\s+42\s+41\.58\n", out), out
     assert "conv.weight.requires_grad = False" in out
     assert "output after one SGD step over fresh.parameters(): 42\n" in out
+
+
+def test_finetune_demo_runs_tiny(tmp_path):
+    """`make demo`'s script, on a 2-layer GPT-2: checkpoints cost only the trained block."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "finetune.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--steps", "4", "--vault", str(tmp_path / "v")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "outputs identical to the trained model: True" in result.stdout
+    assert (tmp_path / "v" / "bytes.png").exists()

@@ -71,6 +71,7 @@ def plan_load(
     tie: bool = False,
     equal: Equal | None = None,
     label: str = "model",
+    shape_of: Callable[[Sequence[str], tuple[int, ...]], tuple[int, ...]] | None = None,
 ) -> LoadPlan:
     """Match the names in ``ckpt`` to ``targets`` and return what to copy where.
 
@@ -83,6 +84,9 @@ def plan_load(
         tie: Plan to make the model share one tensor where the file ties names.
         equal: Compares the values of two names on disk; needed only for views.
         label: The model's class name, for messages.
+        shape_of: ``shape_of(model_names, shape_on_disk)`` is the shape a value transform
+            (see :mod:`weightvault._transforms`) gives the tensor before it is copied; the
+            shape check compares that with the model's shape.
 
     Raises:
         KeyMismatchError: ``strict`` and names disagree.
@@ -122,10 +126,13 @@ def plan_load(
                 conflicts.append(f"{sources[0][0].name} / {t.name}")
         used.update(ckpt.entry(src).group for _, src in sources)
         t0 = members[0]
-        if first.shape != t0.shape or (first.dtype != t0.dtype and not cast):
+        # A transform (transpose, ...) changes the shape the model receives; compare that.
+        shape = first.shape
+        if shape_of is not None:
+            shape = shape_of([t.name for t in members], first.shape)
+        if shape != t0.shape or (first.dtype != t0.dtype and not cast):
             mismatched += [
-                (t.name, describe(first.dtype, first.shape), describe(t.dtype, t.shape))
-                for t in members
+                (t.name, describe(first.dtype, shape), describe(t.dtype, t.shape)) for t in members
             ]
             continue
         names = [t.name for t in members]
@@ -246,7 +253,7 @@ def _auto(
             src = avail.pop(new)
             for t in ms:
                 avail[t.name] = src
-            renamed.append((src, ms[0].name))
+                renamed.append((src, t.name))
 
 
 def _raise_if_mismatched(ckpt: Checkpoint, report: LoadReport, label: str) -> None:

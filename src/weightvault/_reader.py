@@ -108,6 +108,10 @@ class Checkpoint:
         """Whether ``stored``'s bytes match their checksum (``True`` if none was recorded)."""
         return True
 
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        """Copy ``stored``'s bytes into ``buffer`` with file reads; ``False`` if unsupported."""
+        return False
+
     def verify(self, stored: list[str] | None = None) -> None:
         """Check the checksums of ``stored`` (default: all), before any byte is used.
 
@@ -156,6 +160,7 @@ class SafetensorsFile(Checkpoint):
                 if self.header.file_size > self.header.data_start
                 else None
             )
+        self._fd = -1
         super().__init__(where, self.header.tensors, manifest)
 
     @property
@@ -173,6 +178,15 @@ class SafetensorsFile(Checkpoint):
         start = self.header.data_start + info.start
         return memoryview(self._map)[start : start + info.nbytes]
 
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        info = self.stored[stored]
+        if buffer.nbytes != info.nbytes:
+            return False
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        read_fully(self._fd, buffer, self.header.data_start + info.start, self.path, stored)
+        return True
+
     def check(self, stored: str) -> bool:
         expected = self.manifest.sums.get(stored)
         if expected is None:
@@ -180,6 +194,9 @@ class SafetensorsFile(Checkpoint):
         return xxhash.xxh3_64(self.raw(stored)).hexdigest() == expected
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         # Tensors built on the map keep their own export; closing then is refused, and the
         # map is released when the last of them goes.
         if self._map is not None:
@@ -222,6 +239,17 @@ class MemoryCheckpoint(Checkpoint):
 
     def raw(self, stored: str) -> memoryview:
         return self._data[stored]
+
+
+def read_fully(fd: int, buffer: memoryview, offset: int, where: str, name: str) -> None:
+    """``preadv`` until ``buffer`` is full; a short file is a :class:`FormatError`."""
+    view = buffer.cast("B")
+    while view.nbytes:
+        # One call moves at most ~2 GiB on Linux, so large tensors take several.
+        n = os.preadv(fd, [view[: 1 << 30]], offset)
+        if n == 0:
+            raise FormatError(f"{where}: tensor {name!r}: the file ended before its bytes did")
+        view, offset = view[n:], offset + n
 
 
 @contextlib.contextmanager

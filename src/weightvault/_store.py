@@ -62,6 +62,10 @@ class Store:
     def sync(self, keys: Iterable[str]) -> None:
         """Make the directory entries of ``keys`` durable (local stores only)."""
 
+    def local_path(self, key: str) -> str | None:
+        """The file behind ``key`` on a local disk, or ``None`` for remote stores."""
+        return None
+
 
 class LocalStore(Store):
     """A folder on a local filesystem."""
@@ -75,6 +79,9 @@ class LocalStore(Store):
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
+
+    def local_path(self, key: str) -> str | None:
+        return self._path(key)
 
     def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
         path = self._path(key)

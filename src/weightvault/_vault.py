@@ -45,7 +45,7 @@ from ._errors import (
 from ._header import TensorInfo, encode_header, parse_header
 from ._manifest import MANIFEST_KEY, Manifest, read_manifest
 from ._plan import Plan, Stored, plan
-from ._reader import Checkpoint
+from ._reader import Checkpoint, read_fully
 from ._reports import LoadReport
 from ._store import Store, open_store
 from ._writer import layout, write
@@ -168,6 +168,22 @@ class VaultCheckpoint(Checkpoint):
                 f"{expected}; the vault is damaged, run 'weightvault vault ROOT verify'"
             )
         return view
+
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        path = self.store.local_path(_object_key(self.objects[stored]))
+        if path is None or stored in self._cache or buffer.nbytes != self.stored[stored].nbytes:
+            return False
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # raw() then raises the error that names the tensor
+        try:
+            if os.fstat(fd).st_size != buffer.nbytes:
+                return False
+            read_fully(fd, buffer, 0, self.path, stored)
+        finally:
+            os.close(fd)
+        return True
 
     def check(self, stored: str) -> bool:
         return content_hash(self.raw(stored)) == self.objects[stored]

@@ -26,13 +26,16 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
         "weightvault.torch needs PyTorch: pip install 'weightvault[torch]'"
     ) from e
 
-from . import _rules, _writer
+from . import _rules, _transforms, _writer
 from ._match import Assignment, RulesArg, Target, plan_load
 from ._plan import Source, plan
 from ._reader import Checkpoint, Entry, opened
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
+
+#: The ``"format"`` written into ``__metadata__``, as transformers expects.
+FRAMEWORK = "pt"
 
 PathLike = str | os.PathLike[str]
 Source_ = PathLike | Checkpoint
@@ -188,7 +191,7 @@ def save(
     sources, skipped = _sources(obj)
     p = plan(sources, dedupe_copies=dedupe_copies)
     file_bytes = _writer.write(
-        path, p, framework="pt", metadata=dict(metadata or {}), checksum=checksum
+        path, p, framework=FRAMEWORK, metadata=dict(metadata or {}), checksum=checksum
     )
     return SaveReport(
         path=os.fspath(path),
@@ -301,6 +304,7 @@ def load(
     verify: bool = False,
     cast: bool = False,
     mmap: bool = False,
+    transforms: _transforms.Transforms | None = None,
 ) -> LoadReport:
     """Fill ``model`` from ``path`` in place, all or nothing.
 
@@ -323,6 +327,10 @@ def load(
         cast: Allow dtypes to differ; values are converted.
         mmap: Point parameters at the file mapping instead of copying (zero-copy, for
             inference; copy-on-write so the file is never modified). CPU only.
+        transforms: ``{pattern: transform}`` that rearrange values before they are
+            copied, matched against the model's names: ``{"*.weight": "transpose"}``
+            loads a Keras ``Dense.kernel`` ``(in, out)`` into ``Linear.weight``
+            ``(out, in)``. See :mod:`weightvault._transforms`; kept apart from ``rules``.
 
     Returns:
         A report of what was loaded, renamed, missing, unexpected, mismatched and untied.
@@ -339,6 +347,7 @@ def load(
         ([], [])
     """
     targets, tensors = _targets(model)
+    pairs = _transforms.check(transforms)
     with opened(path) as ckpt:
 
         def equal(a: str, b: str) -> bool:
@@ -353,9 +362,13 @@ def load(
             tie=tie,
             equal=equal,
             label=type(model).__name__,
+            shape_of=_transforms.shape_hook(transforms),
         )
+        needed = sorted({ckpt.entry(a.source).stored for a in lp.assignments})
         if verify:
-            ckpt.verify(sorted({ckpt.entry(a.source).stored for a in lp.assignments}))
+            ckpt.verify(needed)
+        for stored in needed:
+            ckpt.raw(stored)  # every byte must be reachable before the first copy
         if mmap:
             _check_mmap(lp.assignments, tensors, ckpt.path)
         mapped: set[str] = set()
@@ -364,7 +377,8 @@ def load(
                 # A second model tensor read from the same bytes (untied, or a copy) must
                 # not share the mapping with the first, or writing one would change both.
                 stored = ckpt.entry(a.source).stored
-                _assign(ckpt, a, tensors, mmap=mmap and stored not in mapped)
+                transform = _transforms.resolve(pairs, a.names)
+                _assign(ckpt, a, tensors, mmap=mmap and stored not in mapped, transform=transform)
                 mapped.add(stored)
         if tie:
             _tie(model, lp.tie)
@@ -388,14 +402,47 @@ def _check_mmap(assignments: list[Assignment], tensors: dict[str, torch.Tensor],
 
 
 def _assign(
-    ckpt: Checkpoint, a: Assignment, tensors: dict[str, torch.Tensor], *, mmap: bool
+    ckpt: Checkpoint,
+    a: Assignment,
+    tensors: dict[str, torch.Tensor],
+    *,
+    mmap: bool,
+    transform: _transforms.Permute | None = None,
 ) -> None:
     target = tensors[a.names[0]]
+    if not mmap and transform is None and _read_direct(ckpt, a.source, target):
+        return
     source = _read(ckpt, a.source)
+    if transform is not None:
+        source = source.permute(transform.axes_for(source.dim()))
     if mmap:
         target.data = source
     else:
         target.copy_(source)
+
+
+def _read_direct(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
+    """Read the bytes of ``name`` straight into ``target`` if the layouts allow it.
+
+    One ``preadv`` from the page cache into the parameter's memory is several times
+    faster than faulting in an mmap and copying from it (see docs/benchmarks.md).
+    """
+    e = ckpt.entry(name)
+    if (
+        e.view is not None
+        or target.device.type != "cpu"
+        or not target.is_contiguous()
+        or target.numel() == 0
+        or NAMES.get(target.dtype) != e.dtype
+    ):
+        return False
+    buffer = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    if not ckpt.read_into(e.stored, buffer):
+        return False
+    # Writing through numpy bypasses autograd's version counter; bump it as copy_ would,
+    # so a graph that saved this tensor refuses to backpropagate through stale values.
+    torch.autograd.graph.increment_version(target)
+    return True
 
 
 def _tie(model: nn.Module, groups: list[tuple[str, ...]]) -> None:
