@@ -118,7 +118,9 @@ class VerifyReport:
     has_checksums: bool = True
 
 
-def verify(path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None
+) -> VerifyReport:
     """Check a file's structure and every stored tensor's checksum.
 
     A structurally broken file is reported, not raised, so a caller can treat every kind
