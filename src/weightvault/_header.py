@@ -151,6 +151,8 @@ def _tensor_info(name: str, entry: Any, data_size: int, where: str) -> TensorInf
             f"{where}: tensor {name!r}: data_offsets [{start}, {end}] lie outside the "
             f"{data_size}-byte data section"
         )
+    if not fits_int64(shape, ITEMSIZE[dtype]):
+        raise FormatError(f"{where}: tensor {name!r}: shape {shape[:8]} overflows 64-bit sizes")
     expected = numel(shape) * ITEMSIZE[dtype]
     if expected != end - start:
         raise FormatError(
@@ -158,6 +160,18 @@ def _tensor_info(name: str, entry: Any, data_size: int, where: str) -> TensorInf
             f"data_offsets span {end - start}"
         )
     return TensorInfo(name, dtype, tuple(shape), start, end)
+
+
+def fits_int64(shape: list[int] | tuple[int, ...], itemsize: int) -> bool:
+    """Whether frameworks can hold ``shape``: its size, zeros ignored, fits in int64 bytes.
+
+    A zero-size tensor with huge other dimensions needs no bytes, but frameworks still
+    compute its strides and overflow; refusing it here keeps that a FormatError.
+    """
+    n = itemsize
+    for d in shape:
+        n *= max(d, 1)
+    return n < 2**63
 
 
 def _check_layout(tensors: dict[str, TensorInfo], data_size: int, where: str) -> None:

@@ -13,12 +13,13 @@ whose value is a JSON document::
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._dtypes import ITEMSIZE, numel
 from ._errors import FormatError
-from ._header import TensorInfo
+from ._header import TensorInfo, fits_int64
 
 MANIFEST_KEY = "weightvault"
 FORMAT_VERSION = 1
@@ -126,18 +127,30 @@ def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], wher
 def _foreign_manifest(
     metadata: dict[str, str], tensors: dict[str, TensorInfo], where: str
 ) -> Manifest:
-    aliases: dict[str, str] = {}
-    for key, value in metadata.items():
-        if key in RESERVED_KEYS or key in tensors:
+    # Chains (a -> b -> stored) are legal in the convention. Each key is resolved once
+    # and the answer shared along its path, so a long chain costs linear time. A chain
+    # that ends nowhere, cycles included, names no tensor: plain metadata.
+    resolved: dict[str, str | None] = {}
+    for key in metadata:
+        if key in RESERVED_KEYS or key in tensors or key in resolved:
             continue
-        target, seen = value, {key}
-        # Chains (a -> b -> stored) are legal in the convention; cycles are not.
-        while target not in tensors and target in metadata and target not in seen:
-            seen.add(target)
+        path, on_path, target = [], set(), key
+        while True:
+            if target in tensors:
+                answer: str | None = target
+                break
+            if target in resolved:
+                answer = resolved[target]
+                break
+            if target in on_path or target in RESERVED_KEYS or target not in metadata:
+                answer = None
+                break
+            path.append(target)
+            on_path.add(target)
             target = metadata[target]
-        # A chain that ends nowhere, cycles included, names no tensor: plain metadata.
-        if target in tensors:
-            aliases[key] = target
+        for k in path:
+            resolved[k] = answer
+    aliases = {k: t for k, t in resolved.items() if t is not None}
     names = list(tensors) + list(aliases)
     user = {k: v for k, v in metadata.items() if k not in aliases}
     return Manifest(aliases=aliases, names=names, metadata=user, ours=False)
@@ -180,26 +193,38 @@ def _view(name: str, value: Any, where: str) -> View:
         )
     if not ok:
         raise FormatError(f"{where}: view {name!r}: malformed view record")
+    if not fits_int64(shape, ITEMSIZE[dtype]):
+        raise FormatError(f"{where}: view {name!r}: shape {shape[:8]} overflows 64-bit sizes")
     return View(base, dtype, tuple(shape), tuple(stride), offset)
 
 
 def _validate(m: Manifest, tensors: dict[str, TensorInfo], where: str) -> None:
     logical = [*m.aliases, *m.copies, *m.views]
     if len(set(logical)) != len(logical) or not set(logical).isdisjoint(tensors):
-        clash = sorted({n for n in logical if logical.count(n) > 1} | (set(logical) & set(tensors)))
+        counts = Counter(logical)
+        clash = sorted({n for n, c in counts.items() if c > 1} | (set(logical) & set(tensors)))
         raise FormatError(f"{where}: manifest gives names {clash[:8]} more than one meaning")
-    for kind, table in (("alias", m.aliases), ("copy", m.copies)):
-        for name, target in table.items():
-            # Every alias and copy points straight at a stored tensor, so no cycle can form.
-            if target not in tensors:
-                raise FormatError(
-                    f"{where}: {kind} {name!r} points at {target!r}, which is not stored"
-                )
+    for name, target in m.copies.items():
+        if target not in tensors:
+            raise FormatError(f"{where}: copy {name!r} points at {target!r}, which is not stored")
+    for name, target in m.aliases.items():
+        # An alias names a stored tensor, a copy or a view, never another alias, so no
+        # chain and no cycle can form.
+        if target not in tensors and target not in m.copies and target not in m.views:
+            raise FormatError(
+                f"{where}: alias {name!r} points at {target!r}, which is neither stored "
+                "nor a copy or view"
+            )
     for name, view in m.views.items():
         base = tensors.get(view.base)
         if base is None:
             raise FormatError(f"{where}: view {name!r} reads {view.base!r}, which is not stored")
-        if view.offset % ITEMSIZE[view.dtype] or view.offset + view.span() > base.nbytes:
+        if view.offset % ITEMSIZE[view.dtype]:
+            raise FormatError(
+                f"{where}: view {name!r} starts at byte {view.offset}, which is not a "
+                f"multiple of its {view.dtype} item size"
+            )
+        if view.offset + view.span() > base.nbytes:
             raise FormatError(
                 f"{where}: view {name!r} reads bytes [{view.offset}, "
                 f"{view.offset + view.span()}) outside {view.base!r} ({base.nbytes} bytes)"

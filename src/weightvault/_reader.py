@@ -9,6 +9,7 @@ tell the difference, so renames, strictness, ties and frozen flags behave the sa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 from collections.abc import Iterator, Mapping
@@ -35,16 +36,14 @@ class Entry:
     dtype: str
     shape: tuple[int, ...]
     view: View | None = None
-
-    @property
-    def group(self) -> str:
-        """Names with the same group are one tensor (tied); copies and views are their own."""
-        return self.stored if self.kind in ("stored", "alias") else self.name
+    #: Names with the same group are one tensor (tied). A copy or a view is a group of its
+    #: own, shared with its aliases.
+    group: str = ""
 
     @property
     def value_key(self) -> str | None:
         """Names with the same value key hold equal bytes; ``None`` means compare the bytes."""
-        return self.stored if self.kind != "view" else None
+        return self.stored if self.view is None else None
 
     @property
     def nbytes(self) -> int:
@@ -65,19 +64,26 @@ class Checkpoint:
 
     def _entries(self) -> dict[str, Entry]:
         t, m = self.stored, self.manifest
+
+        def held(name: str, kind: Kind, group: str) -> Entry:
+            if name in t:
+                return Entry(name, kind, name, t[name].dtype, t[name].shape, None, group)
+            if name in m.copies:
+                s = t[m.copies[name]]
+                return Entry(name, kind, s.name, s.dtype, s.shape, None, group)
+            v = m.views[name]
+            return Entry(name, kind, v.base, v.dtype, v.shape, v, group)
+
         out: dict[str, Entry] = {}
         for name in m.names:
-            if name in t:
-                out[name] = Entry(name, "stored", name, t[name].dtype, t[name].shape)
-            elif name in m.aliases:
-                s = t[m.aliases[name]]
-                out[name] = Entry(name, "alias", s.name, s.dtype, s.shape)
-            elif name in m.copies:
-                s = t[m.copies[name]]
-                out[name] = Entry(name, "copy", s.name, s.dtype, s.shape)
+            if name in m.aliases:
+                target = m.aliases[name]
+                out[name] = held(target, "alias", target)
+            elif name in t:
+                out[name] = held(name, "stored", name)
             else:
-                v = m.views[name]
-                out[name] = Entry(name, "view", v.base, v.dtype, v.shape, v)
+                out[name] = held(name, "copy" if name in m.copies else "view", name)
+            out[name] = dataclasses.replace(out[name], name=name)
         return out
 
     @property

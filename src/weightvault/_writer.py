@@ -101,8 +101,13 @@ def _header_metadata(plan: Plan, framework: str | None, manifest: Manifest) -> d
     meta: dict[str, str] = {}
     if framework:
         meta["format"] = framework
-    # The de facto convention, so other readers (and safetensors users) see the ties.
-    meta.update(plan.aliases)
+    # The de facto convention, so other readers (and safetensors users) see the ties. It
+    # can only name stored tensors: an alias of a copy names the copy's stored twin (equal
+    # values), and an alias of a view has no plain-reader equivalent.
+    for alias, target in plan.aliases.items():
+        target = plan.copies.get(target, target)
+        if target not in plan.views:
+            meta[alias] = target
     meta[MANIFEST_KEY] = manifest.encode()
     return meta
 

@@ -86,7 +86,11 @@ def _bytes(t: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    flat = t.reshape(-1)
+    if flat.stride() != (1,):
+        # contiguous() keeps an odd stride on size-1 dimensions, which view() refuses.
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _region(t: torch.Tensor) -> Any:
@@ -266,10 +270,14 @@ def load_file(
             ckpt.verify()
         bases = {s: _base(ckpt, s, mmap=mmap) for s in ckpt.stored}
         out: dict[str, torch.Tensor] = {}
+        groups: dict[str, torch.Tensor] = {}
         for name in ckpt.names:
             e = ckpt.entry(name)
-            value = _value(ckpt, e, bases[e.stored])
-            out[name] = value.clone() if e.kind == "copy" else value
+            if e.group not in groups:
+                value = _value(ckpt, e, bases[e.stored])
+                # A copy is a tensor of its own (shared only with its aliases).
+                groups[e.group] = value.clone() if e.view is None and e.group != e.stored else value
+            out[name] = groups[e.group]
         return out
 
 
