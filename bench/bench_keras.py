@@ -1,0 +1,172 @@
+"""Keras ``save_weights``/``load_weights`` vs ``weightvault.keras``: time and file size.
+
+One process, one model of about 100M parameters: an embedding (32000 x 1024) whose
+variable is shared with the output projection (a tied LM head, held by a second layer),
+and 8 Dense(1024 -> 1024) + Dense(1024 -> 4096) + Dense(4096 -> 1024) blocks whose
+first Dense kernel is shared by pairs of blocks. Keras writes a shared variable once per
+layer that holds it; weightvault writes it once.
+
+Contenders alternate within every round (the first one rotates); medians are reported.
+Saves include fsync of the file for both (weightvault always fsyncs; Keras' file gets an
+explicit ``os.fsync`` inside the timing). Loads read a warm file into a built model.
+
+Usage:
+    KERAS_BACKEND=torch python bench/bench_keras.py [--quick] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import numpy as np
+
+import weightvault.keras as wvk
+
+MiB = 1 << 20
+
+
+class HeldKernel(keras.layers.Layer):
+    """Uses a kernel that another layer owns (a tied head, a shared projection)."""
+
+    def __init__(self, kernel: Any, transpose: bool = False, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.kernel = kernel
+        self.transpose = transpose
+
+    def call(self, x: Any) -> Any:
+        k = keras.ops.transpose(self.kernel) if self.transpose else self.kernel
+        return keras.ops.matmul(x, k)
+
+
+def build(quick: bool) -> Any:
+    vocab, width, blocks = (4000, 256, 2) if quick else (32000, 1024, 8)
+    emb = keras.layers.Embedding(vocab, width, name="embed")
+    emb.build((None,))
+    inp = keras.Input((8,), dtype="int32")
+    x = emb(inp)
+    shared: Any = None
+    for i in range(blocks):
+        if i % 2 == 0:
+            proj = keras.layers.Dense(width, name=f"proj{i}")
+            x = proj(x)
+            shared = proj.kernel
+        else:
+            x = HeldKernel(shared, name=f"proj{i}")(x)  # shares block i-1's kernel
+        x = keras.layers.Dense(4 * width, activation="relu", name=f"up{i}")(x)
+        x = keras.layers.Dense(width, name=f"down{i}")(x)
+    out = HeldKernel(emb.embeddings, transpose=True, name="lm_head")(x)
+    return keras.Model(inp, out)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rounds(fns: dict[str, Callable[[], Any]], n: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(n + 1):  # round 0 is a warm-up
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            fns[name]()
+            dt = time.perf_counter() - t0
+            if r:
+                out[name].append(dt)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a ~2M-parameter model")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    model = build(args.quick)
+    target = build(args.quick)
+    n_params = sum(int(np.prod(v.shape)) for v in model.weights)  # each variable once
+    folder = tempfile.mkdtemp(prefix="wv-bench-keras-")
+    h5 = os.path.join(folder, "m.weights.h5")
+    st = os.path.join(folder, "m.safetensors")
+
+    def keras_save() -> None:
+        model.save_weights(h5)
+        fsync_file(h5)
+
+    def wv_save() -> None:
+        wvk.save(model, st)
+
+    saves = rounds(
+        {"keras save_weights": keras_save, "weightvault.keras.save": wv_save}, args.rounds
+    )
+    loads = rounds(
+        {
+            "keras load_weights": lambda: target.load_weights(h5),
+            "weightvault.keras.load": lambda: wvk.load(target, st),
+        },
+        args.rounds,
+    )
+    report = wvk.save(model, st)
+    x = np.random.default_rng(0).integers(0, 100, (2, 8)).astype("int32")
+    wvk.load(target, st)
+    same = np.array_equal(
+        keras.ops.convert_to_numpy(model(x)), keras.ops.convert_to_numpy(target(x))
+    )
+
+    print(
+        f"keras {keras.__version__}, backend {keras.backend.backend()}, "
+        f"python {sys.version.split()[0]}"
+    )
+    print(
+        f"model: {n_params / 1e6:.1f}M distinct parameters, "
+        f"{len(report.aliases)} shared-variable aliases"
+    )
+    print(f"rounds: {args.rounds} (+1 warm-up), medians [min-max] in seconds\n")
+    print(f"{'':26} {'file MiB':>9} {'save s':>18} {'load s':>18}")
+    rows = [
+        (
+            "keras .weights.h5",
+            os.path.getsize(h5),
+            saves["keras save_weights"],
+            loads["keras load_weights"],
+        ),
+        (
+            "weightvault.keras",
+            os.path.getsize(st),
+            saves["weightvault.keras.save"],
+            loads["weightvault.keras.load"],
+        ),
+    ]
+    for name, size, s, ld in rows:
+        print(
+            f"{name:26} {size / MiB:9.1f} "
+            f"{statistics.median(s):7.3f} [{min(s):.2f}-{max(s):.2f}] "
+            f"{statistics.median(ld):7.3f} [{min(ld):.2f}-{max(ld):.2f}]"
+        )
+    print(
+        f"\nweightvault stored {report.stored_bytes / MiB:.1f} MiB of "
+        f"{report.logical_bytes / MiB:.1f} MiB logical"
+    )
+    print(f"predictions identical after weightvault load: {same}")
+    for f in (h5, st):
+        os.unlink(f)
+    os.rmdir(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
