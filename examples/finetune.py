@@ -19,13 +19,13 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
 
-import weightvault  # noqa: E402
-import weightvault.torch as wv  # noqa: E402
-from weightvault._cli_vault import plot  # noqa: E402
+import weightvault
+import weightvault.torch as wv
+from weightvault._cli_vault import plot
 
 MiB = 2**20
 

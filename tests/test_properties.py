@@ -210,16 +210,22 @@ def expected_stored_bytes(tensors: dict[str, Any]) -> int:
             by_storage.setdefault(storage(t), []).append(t)
     total = 0
     values: set[tuple[Any, ...]] = set()
+    for members in by_storage.values():
+        if len(members) > 1:
+            size = max(m.untyped_storage().nbytes() for m in members)
+            total += size
+            # A tensor covering its whole storage is stored as the views' base, and a
+            # separate tensor equal to it is a copy of it.
+            for m in members:
+                if m.is_contiguous() and m.numel() * m.element_size() == size:
+                    values.add((m.dtype, tuple(m.shape), bytes(bits(m).numpy())))
     for t in distinct.values():
         if t.numel() > 0 and len(by_storage[storage(t)]) > 1:
-            continue  # part of a storage with views: counted once below
+            continue  # part of a storage with views: counted once above
         key = (t.dtype, tuple(t.shape), bytes(bits(t).numpy()))
         if key not in values:
             values.add(key)
             total += t.numel() * t.element_size()
-    for members in by_storage.values():
-        if len(members) > 1:
-            total += max(m.untyped_storage().nbytes() for m in members)
     return total
 
 

@@ -29,6 +29,7 @@ def test_all_is_pinned():
         "VerifyReport",
         "WeightvaultError",
         "__version__",
+        "convert",
         "diff",
         "inspect",
         "verify",
@@ -44,6 +45,15 @@ def test_torch_adapter_verbs_are_pinned():
     import weightvault.torch as wv
 
     assert wv.__all__ == ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
+
+
+def test_keras_adapter_verbs_are_pinned():
+    import pytest
+
+    pytest.importorskip("keras")
+    import weightvault.keras as wvk
+
+    assert wvk.__all__ == ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 
 
 def test_errors_subclass_the_base_and_the_builtin():

@@ -10,11 +10,13 @@ files; each framework has its own module with the same verbs (``weightvault.torc
     wv.load(model, "model.safetensors")          # ties, renames, strictness, report
     weightvault.inspect("model.safetensors")     # names, aliases, copies, frozen, bytes
     weightvault.verify("model.safetensors")      # checksums
+    weightvault.convert("old.params", "model.safetensors")  # MXNet, torch, Keras, npz
     weightvault.Vault("runs/ft").save(model)     # a checkpoint store, unchanged tensors once
 """
 
 from __future__ import annotations
 
+from ._convert import convert
 from ._errors import (
     BackendNotInstalled,
     CheckpointExistsError,
@@ -53,6 +55,7 @@ __all__ = [
     "VerifyReport",
     "WeightvaultError",
     "__version__",
+    "convert",
     "diff",
     "inspect",
     "verify",

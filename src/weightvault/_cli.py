@@ -163,9 +163,9 @@ def add_command(
 
 def _extensions() -> list[Callable[[Subparsers], None]]:
     """Subcommands that live in their own modules; each registers itself on ``sub``."""
-    from . import _cli_vault
+    from . import _cli_convert, _cli_vault
 
-    return [_cli_vault.register]
+    return [_cli_vault.register, _cli_convert.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -140,22 +140,25 @@ def plan(sources: Sequence[Source], *, dedupe_copies: bool = True) -> Plan:
     out.logical_bytes = sum(s.nbytes for s in sources)
     order = {s.name: i for i, s in enumerate(sources)}
 
-    plain = _plan_views(reps, out, order)
+    bases: list[Source] = []
+    plain = _plan_views(reps, out, order, bases)
 
-    by_signature: dict[tuple[str, tuple[int, ...]], list[Source]] = defaultdict(list)
+    # Stored tensors by dtype and shape: only those can be copies of each other. Bases of
+    # views are stored whatever happens, so they are candidates from the start.
+    candidates: dict[tuple[str, tuple[int, ...]], list[Source]] = defaultdict(list)
+    for base in bases:
+        candidates[(base.dtype, base.shape)].append(base)
     for rep in plain:
-        by_signature[(rep.dtype, rep.shape)].append(rep)
-    for rep in plain:
+        signature = (rep.dtype, rep.shape)
         kept = rep
         if dedupe_copies and rep.nbytes > 0:
-            for other in by_signature[(rep.dtype, rep.shape)]:
-                if other is rep:
-                    break
-                if other.name not in out.copies and same_bytes(other.data(), rep.data()):
+            for other in candidates[signature]:
+                if same_bytes(other.data(), rep.data()):
                     kept = other
                     break
         if kept is rep:
             out.stored.append(Stored(rep.name, rep.dtype, rep.shape, rep.data, order[rep.name]))
+            candidates[signature].append(rep)
         else:
             out.copies[rep.name] = kept.name
 
@@ -164,8 +167,13 @@ def plan(sources: Sequence[Source], *, dedupe_copies: bool = True) -> Plan:
     return out
 
 
-def _plan_views(reps: list[Source], out: Plan, order: dict[str, int]) -> list[Source]:
-    """Record tensors that overlap in one storage as views; return the rest."""
+def _plan_views(
+    reps: list[Source], out: Plan, order: dict[str, int], bases: list[Source]
+) -> list[Source]:
+    """Record tensors that overlap in one storage as views; return the rest.
+
+    Tensors stored as the base of views are appended to ``bases``.
+    """
     by_storage: dict[Hashable, list[Source]] = defaultdict(list)
     plain: list[Source] = []
     for rep in reps:
@@ -186,20 +194,23 @@ def _plan_views(reps: list[Source], out: Plan, order: dict[str, int]) -> list[So
             if len(component) == 1:
                 plain.append(component[0])
             elif component:
-                internal = _component(component, out, order, internal)
+                internal = _component(component, out, order, internal, bases)
             if s is not None:
                 component, end = [s], s.span()[1]
     plain.sort(key=lambda s: order[s.name])
     return plain
 
 
-def _component(members: list[Source], out: Plan, order: dict[str, int], internal: int) -> int:
+def _component(
+    members: list[Source], out: Plan, order: dict[str, int], internal: int, bases: list[Source]
+) -> int:
     start = members[0].span()[0]
     end = max(m.span()[1] for m in members)
     covering = [m for m in members if m.contiguous() and m.span() == (start, end)]
     if covering:
         base = min(covering, key=lambda m: order[m.name])
         out.stored.append(Stored(base.name, base.dtype, base.shape, base.data, order[base.name]))
+        bases.append(base)
         base_name = base.name
     else:
         # No tensor covers the shared bytes, so store the storage region itself.

@@ -1,0 +1,160 @@
+"""Convert any supported checkpoint to a weightvault file, each distinct tensor once.
+
+The source is opened by bytes (MXNet ``.params``, torch ``.pt``/``.bin``, Keras
+``.weights.h5``, ``.npz``, safetensors); its names, optionally renamed, become
+:class:`~weightvault._plan.Source` records and go through the same
+:func:`~weightvault._plan.plan` and :func:`~weightvault._writer.write` as a save. Ties
+and views the source records are kept, and copies are found by content, so a Gluon file
+saved with four copies of one layer is written with one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+
+from . import _rules, _writer
+from ._errors import RuleError
+from ._plan import Source, plan
+from ._reader import Checkpoint, Entry, opened
+from ._reports import SaveReport
+
+PathLike = str | os.PathLike[str]
+
+
+def _sources(ckpt: Checkpoint, rules: _rules.Rules) -> tuple[list[Source], list[str]]:
+    """One source per kept name, renamed by ``rules``; also the names rules dropped."""
+    sources: list[Source] = []
+    dropped: list[str] = []
+    taken: dict[str, str] = {}
+    frozen = set(ckpt.manifest.frozen)
+    for name in ckpt.names:
+        new = _rules.rename(rules, name)
+        if new is None:
+            dropped.append(name)
+            continue
+        if new in taken:
+            raise RuleError(
+                f"{ckpt.path}: rules map both {taken[new]!r} and {name!r} to {new!r}; "
+                "make the rules more specific so every name stays distinct"
+            )
+        taken[new] = name
+        sources.append(_source(ckpt, ckpt.entry(name), new, name in frozen))
+    return sources, dropped
+
+
+def _source(ckpt: Checkpoint, e: Entry, name: str, frozen: bool) -> Source:
+    stored = e.stored
+
+    def whole() -> memoryview:
+        return ckpt.raw(stored)
+
+    def region(start: int, end: int) -> memoryview:
+        return ckpt.raw(stored)[start:end]
+
+    if e.kind == "copy":
+        # A copy is its own tensor; plan() finds it again by content.
+        return Source(name, e.dtype, e.shape, ("copy", e.name), whole, frozen)
+    identity: Hashable = ("group", e.group)
+    if e.view is None:
+        n = len(e.shape)
+        stride = tuple(_c_strides(e.shape)) if n else ()
+        return Source(
+            name,
+            e.dtype,
+            e.shape,
+            identity,
+            whole,
+            frozen,
+            storage=("stored", stored) if ckpt.stored[stored].nbytes else None,
+            stride=stride,
+            region=region,
+        )
+    v = e.view
+
+    def gathered() -> memoryview:
+        from .formats._common import strided
+
+        return strided(ckpt.raw(stored), v.dtype, v.shape, v.stride, v.offset)
+
+    return Source(
+        name,
+        v.dtype,
+        v.shape,
+        ("view", e.name),
+        gathered,
+        frozen,
+        storage=("stored", stored),
+        offset=v.offset,
+        stride=v.stride,
+        region=region,
+    )
+
+
+def _c_strides(shape: tuple[int, ...]) -> list[int]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
+def convert(
+    src: PathLike | Checkpoint,
+    dst: PathLike,
+    *,
+    rules: _rules.Rules = (),
+    dry_run: bool = False,
+    checksum: bool = True,
+) -> SaveReport:
+    """Write ``src``, in any supported format, as a weightvault file at ``dst``.
+
+    Every name is kept (renamed by ``rules``, or dropped by a ``None`` rule). Tensors the
+    source shares stay shared, and tensors with equal dtype, shape and bytes are stored
+    once and recorded as copies, so loading gives every name its own tensor again.
+
+    Args:
+        src: The file to convert: MXNet ``.params``, torch ``.pt``/``.bin``, Keras
+            ``.weights.h5``, numpy ``.npz`` or safetensors, recognised by its bytes.
+        dst: Where to write; replaced atomically.
+        rules: ``(pattern, replacement)`` renames, such as
+            :data:`weightvault.rules.MXNET_PREFIXES`.
+        dry_run: Plan only; nothing is written and ``file_bytes`` is 0.
+        checksum: Record an xxh3-64 checksum of every stored tensor.
+
+    Returns:
+        What was stored, aliased and copied, and the bytes before and after.
+
+    Raises:
+        FormatError: ``src`` is malformed or in no supported format.
+        RuleError: The rules are malformed or map two names to one.
+
+    Example:
+        >>> report = convert("shared_dense_default.params", "dense.safetensors")
+        >>> len(report.copies), report.logical_bytes, report.stored_bytes
+        (6, 66560, 16640)
+    """
+    checked = _rules.check(rules)
+    with opened(src) as ckpt:
+        sources, dropped = _sources(ckpt, checked)
+        p = plan(sources)
+        metadata = {"converted_from": os.path.basename(ckpt.path)}
+        fmt = getattr(ckpt, "format", None) or "safetensors"
+        metadata["source_format"] = str(fmt)
+        file_bytes = 0
+        if not dry_run:
+            file_bytes = _writer.write(
+                dst, p, framework=ckpt.framework, metadata=metadata, checksum=checksum
+            )
+    return SaveReport(
+        path=os.fspath(dst),
+        stored=[s.name for s, _ in _writer.layout(p.stored)],
+        aliases=p.aliases,
+        copies=p.copies,
+        views=list(p.views),
+        frozen=p.frozen,
+        skipped=dropped,
+        logical_bytes=p.logical_bytes,
+        stored_bytes=p.stored_bytes,
+        file_bytes=file_bytes,
+    )

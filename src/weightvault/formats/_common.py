@@ -1,0 +1,172 @@
+"""What every foreign-format reader shares: file maps, lazy imports and the checkpoint.
+
+Readers decode a foreign file into :class:`~weightvault._plan.Source` records and hand
+them to :func:`build`, which runs the same :func:`~weightvault._plan.plan` as a save. So a
+foreign file gets the manifest a save would have written: real sharing (tied storages,
+hard links) becomes aliases and views, and equal bytes under different names become
+copies, found by content with the one dedup the library has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .._dtypes import ITEMSIZE, numel
+from .._errors import BackendNotInstalled, FormatError
+from .._manifest import Manifest
+from .._plan import Source, plan
+from .._reader import MemoryCheckpoint
+
+#: More dimensions than any framework supports is a sign of a crafted file.
+MAX_DIMS = 64
+#: The pip command that installs what the readers need.
+PIP_FORMATS = "pip install 'weightvault[formats]'"
+
+
+def need(module: str, what: str) -> Any:
+    """Import ``module`` or raise :class:`BackendNotInstalled` naming the extra.
+
+    Example:
+        >>> h5py = need("h5py", "reading Keras .weights.h5 files")
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise BackendNotInstalled(f"{what} needs {module}: {PIP_FORMATS}") from e
+
+
+def map_file(path: str) -> tuple[mmap.mmap | None, int]:
+    """A read-only map of ``path`` and its size (no map for an empty file)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return None, 0
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), size
+
+
+class ForeignCheckpoint(MemoryCheckpoint):
+    """A checkpoint decoded from a foreign format, its bytes in memory or in a file map.
+
+    Attributes:
+        format: The detected format, such as ``"mxnet"`` or ``"torch"``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]],
+        manifest: Manifest,
+        fmt: str,
+        keep: mmap.mmap | None = None,
+    ) -> None:
+        super().__init__(path, arrays, manifest)
+        self.format = fmt
+        self._map = keep
+
+    @property
+    def framework(self) -> str | None:
+        return self.format
+
+    def close(self) -> None:
+        # Views handed out keep the map alive; it then goes when the last of them does.
+        for view in self._data.values():
+            with contextlib.suppress(BufferError, ValueError):
+                view.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+
+
+def build(
+    path: str,
+    sources: Sequence[Source],
+    fmt: str,
+    *,
+    keep: mmap.mmap | None = None,
+    metadata: dict[str, str] | None = None,
+) -> ForeignCheckpoint:
+    """Plan ``sources`` as a save would and wrap the result as a checkpoint.
+
+    Args:
+        path: The file, for messages.
+        sources: Every array in the file's order; equal ``identity`` means one tensor.
+        fmt: The format name the checkpoint reports.
+        keep: A file map the sources' bytes point into, released by ``close``.
+        metadata: Kept in the manifest.
+    """
+    p = plan(sources)
+    manifest = Manifest(
+        aliases=p.aliases,
+        copies=p.copies,
+        views=p.views,
+        frozen=p.frozen,
+        names=p.names,
+        metadata=dict(metadata or {}),
+        ours=False,
+    )
+    arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]] = {
+        s.name: (s.dtype, s.shape, s.data()) for s in p.stored
+    }
+    return ForeignCheckpoint(path, arrays, manifest, fmt, keep)
+
+
+def plain(
+    name: str, dtype: str, shape: tuple[int, ...], data: memoryview | bytes | bytearray
+) -> Source:
+    """A source that shares nothing with any other; only equal bytes can make it a copy."""
+    view = memoryview(data)
+    return Source(name, dtype, shape, ("name", name), lambda: view)
+
+
+def check_shape(where: str, name: str, shape: Any) -> tuple[int, ...]:
+    """Validate a shape from a file: a short sequence of non-negative ints.
+
+    Raises:
+        FormatError: Naming the file and the array.
+    """
+    if not isinstance(shape, tuple | list) or len(shape) > MAX_DIMS:
+        raise FormatError(
+            f"{where}: array {name!r} has a malformed shape {str(shape)[:80]}; "
+            "the file is damaged or was not written by a supported framework"
+        )
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise FormatError(
+                f"{where}: array {name!r} has an invalid dimension {str(d)[:40]} in "
+                f"shape {str(list(shape))[:80]}; the file is damaged"
+            )
+    return tuple(shape)
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return numel(shape) * ITEMSIZE[dtype]
+
+
+def strided(
+    buf: memoryview, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], offset: int
+) -> memoryview:
+    """C-contiguous bytes of the strided tensor at byte ``offset`` of ``buf`` (needs numpy).
+
+    Callers validate that every element lies inside ``buf`` first.
+    """
+    np = need("numpy", "reading a strided tensor")
+    size = ITEMSIZE[dtype]
+    if numel(shape) == 0:
+        return memoryview(b"")
+    # Any dtype of the right width moves the bytes; numpy need not know bfloat16.
+    raw = buf.cast("B")
+    flat = np.frombuffer(raw[: raw.nbytes - raw.nbytes % size], dtype=f"u{size}")
+    base = flat[offset // size :] if offset % size == 0 else None
+    if base is None:
+        raise FormatError(f"tensor at byte offset {offset} is not aligned to {size} bytes")
+    arr = np.lib.stride_tricks.as_strided(
+        base, shape=shape, strides=tuple(s * size for s in stride), writeable=False
+    )
+    out: memoryview = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return out

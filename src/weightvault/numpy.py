@@ -1,0 +1,285 @@
+"""Save and load numpy arrays, and read every supported format as numpy.
+
+Example:
+    >>> import numpy as np, weightvault.numpy as wvn
+    >>> w = np.ones((4, 4), dtype=np.float32)
+    >>> report = wvn.save({"a": w, "b": w.copy()}, "w.safetensors")   # b is a copy
+    >>> sorted(wvn.load_file("w.safetensors"))
+    ['a', 'b']
+
+``load_file`` reads weightvault and plain safetensors files, MXNet ``.params``, torch
+``.pt``/``.bin`` (safely), Keras ``.weights.h5`` and ``.npz``, recognised by their bytes.
+bfloat16 and float8 arrays use the ``ml_dtypes`` types.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from ._errors import BackendNotInstalled, WeightvaultError, capped
+
+try:
+    import numpy as np
+except ImportError as e:  # pragma: no cover - exercised only without numpy
+    raise BackendNotInstalled(
+        "weightvault.numpy needs numpy: pip install 'weightvault[numpy]'"
+    ) from e
+
+from . import _writer
+from ._match import RulesArg, Target, plan_load
+from ._plan import Source, plan
+from ._reader import Checkpoint, Entry, opened
+from ._reports import LoadReport, SaveReport
+
+__all__ = ["load", "load_file", "save"]
+
+PathLike = str | os.PathLike[str]
+Source_ = PathLike | Checkpoint
+
+#: Dtypes numpy has natively, by safetensors name.
+NATIVE = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
+    "C64": "complex64",
+}
+#: Dtypes that need ``ml_dtypes``, by safetensors name.
+ML_DTYPES = {
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+class UnsupportedDtypeError(WeightvaultError, TypeError):
+    """An array's dtype has no safetensors name (for example ``object`` or ``float128``)."""
+
+
+def dtype_of(name: str) -> Any:
+    """The numpy dtype of a safetensors dtype name (``ml_dtypes`` for bfloat16, float8).
+
+    Example:
+        >>> dtype_of("BF16")
+        dtype(bfloat16)
+    """
+    if name in NATIVE:
+        return np.dtype(NATIVE[name]).newbyteorder("<")
+    try:
+        import ml_dtypes
+    except ImportError as e:
+        raise BackendNotInstalled(
+            f"{name} arrays need ml_dtypes: pip install 'weightvault[formats]'"
+        ) from e
+    return np.dtype(getattr(ml_dtypes, ML_DTYPES[name]))
+
+
+def _name_of(key: str, a: np.ndarray) -> str:
+    dt = a.dtype
+    if dt.kind != "V" and dt.names is None:
+        for name, np_name in NATIVE.items():
+            if dt.kind != "b" and np.dtype(np_name) == dt.newbyteorder("="):
+                return name
+            if dt.kind == "b" and name == "BOOL":
+                return name
+    for name, ml_name in ML_DTYPES.items():
+        if dt.name == ml_name:
+            return name
+    raise UnsupportedDtypeError(
+        f"array {key!r} has dtype {dt}, which safetensors cannot store; convert it first, "
+        f"for example with .astype(np.float32). Supported: "
+        f"{capped([*NATIVE.values(), *ML_DTYPES.values()], 20)}"
+    )
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    if a.size == 0:
+        return memoryview(b"")
+    c = np.ascontiguousarray(a)
+    if c.dtype.byteorder == ">":
+        c = c.astype(c.dtype.newbyteorder("<"))
+    out: memoryview = c.reshape(-1).view(np.uint8).data
+    return out
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root
+
+
+def _source(key: str, a: np.ndarray) -> Source:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"save() takes a dict of numpy arrays; {key!r} is a {type(a).__name__}")
+    dtype = _name_of(key, a)
+    shape = tuple(int(d) for d in a.shape)
+    size = a.dtype.itemsize
+    root = _root(a)
+    ptr = a.__array_interface__["data"][0]
+    identity = ("np", ptr, shape, a.strides, str(a.dtype))
+    if a.size == 0:
+        return Source(key, dtype, shape, ("empty", key), lambda: memoryview(b""))
+    offset = ptr - root.__array_interface__["data"][0]
+    usable = (
+        root.flags.c_contiguous
+        and a.dtype.byteorder != ">"
+        and offset >= 0
+        and all(s >= 0 and s % size == 0 for s in a.strides)
+    )
+    if not usable:
+        return Source(key, dtype, shape, identity, lambda: _bytes(a))
+    flat = root.reshape(-1).view(np.uint8)
+    return Source(
+        key,
+        dtype,
+        shape,
+        identity,
+        lambda: _bytes(a),
+        storage=("np", root.__array_interface__["data"][0]),
+        offset=offset,
+        stride=tuple(s // size for s in a.strides),
+        region=lambda s, e: flat[s:e].data,
+    )
+
+
+def save(
+    arrays: Mapping[str, np.ndarray],
+    path: PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    checksum: bool = True,
+    dedupe_copies: bool = True,
+) -> SaveReport:
+    """Save a dict of arrays, storing every distinct array once.
+
+    The same array under two names (or two views with the same layout) becomes an alias,
+    partial views of one array are stored once as views, and equal arrays are stored
+    once as copies.
+
+    Args:
+        arrays: ``{name: array}``; bfloat16 and float8 arrays use ``ml_dtypes``.
+        path: Where to write; replaced atomically.
+        metadata: Your own ``str -> str`` metadata.
+        checksum: Record an xxh3-64 checksum of every stored array.
+        dedupe_copies: Store equal but separate arrays once.
+
+    Example:
+        >>> w = np.zeros((2, 2), np.float32)
+        >>> save({"w": w, "w_again": w}, "w.safetensors").aliases
+        {'w_again': 'w'}
+    """
+    sources = [_source(k, v) for k, v in arrays.items()]
+    p = plan(sources, dedupe_copies=dedupe_copies)
+    file_bytes = _writer.write(
+        path, p, framework="np", metadata=dict(metadata or {}), checksum=checksum
+    )
+    return SaveReport(
+        path=os.fspath(path),
+        stored=[s.name for s, _ in _writer.layout(p.stored)],
+        aliases=p.aliases,
+        copies=p.copies,
+        views=list(p.views),
+        frozen=p.frozen,
+        logical_bytes=p.logical_bytes,
+        stored_bytes=p.stored_bytes,
+        file_bytes=file_bytes,
+    )
+
+
+def _read(ckpt: Checkpoint, e: Entry) -> np.ndarray:
+    """A fresh array holding the values of ``e`` (the caller owns it)."""
+    info = ckpt.stored[e.stored]
+    raw = ckpt.raw(e.stored) if info.nbytes else memoryview(b"")
+    if e.view is None:
+        return np.frombuffer(raw, dtype=dtype_of(e.dtype)).reshape(e.shape).copy()
+    v = e.view
+    dt = dtype_of(v.dtype)
+    if not v.span():
+        return np.empty(v.shape, dtype=dt)
+    base = np.frombuffer(raw, dtype=np.uint8)[v.offset : v.offset + v.span()].view(dt)
+    strides = tuple(s * dt.itemsize for s in v.stride)
+    return np.lib.stride_tricks.as_strided(base, v.shape, strides, writeable=False).copy()
+
+
+def load_file(path: Source_, *, verify: bool = False) -> dict[str, np.ndarray]:
+    """Read every name in ``path`` as its own numpy array.
+
+    Aliases and copies come back as separate arrays with equal values; views as arrays
+    with the view's values.
+
+    Args:
+        path: Any supported file (see the module docstring), or an open checkpoint.
+        verify: Check every checksum first (weightvault files only record them).
+
+    Example:
+        >>> arrays = load_file("model-0000.params")      # an MXNet file
+        >>> arrays["arg:fc1_weight"].dtype
+        dtype('float32')
+    """
+    with opened(path) as ckpt:
+        if verify:
+            ckpt.verify()
+        return {name: _read(ckpt, ckpt.entry(name)) for name in ckpt.names}
+
+
+def load(
+    arrays: MutableMapping[str, np.ndarray],
+    path: Source_,
+    *,
+    strict: bool = True,
+    rules: RulesArg = (),
+    tie: bool = False,
+    verify: bool = False,
+    cast: bool = False,
+) -> LoadReport:
+    """Fill the arrays of ``arrays`` in place from ``path``, all or nothing.
+
+    The dict plays the model: its names, dtypes and shapes are checked first, then values
+    are copied into the existing arrays. Arrays that are one object under two names are
+    tied.
+
+    Args:
+        arrays: ``{name: array}`` to fill; every array must be writable.
+        path: Any supported file, or an open checkpoint.
+        strict: Raise on missing, unexpected or mismatched names.
+        rules: ``(pattern, replacement)`` renames of names on disk, or ``"auto"``.
+        tie: Where the file ties names the dict holds apart, make them one array.
+        verify: Check checksums of what is read first.
+        cast: Allow dtypes to differ; values are converted.
+
+    Returns:
+        What was loaded, renamed, missing and unexpected.
+
+    Example:
+        >>> arrays = {"w": np.zeros((4, 4), np.float32)}
+        >>> load(arrays, "w.safetensors").loaded
+        ['w']
+    """
+    targets = []
+    for name, a in arrays.items():
+        targets.append(Target(name, id(a), _name_of(name, a), tuple(a.shape)))
+    with opened(path) as ckpt:
+        lp = plan_load(ckpt, targets, rules=rules, strict=strict, cast=cast, tie=tie)
+        if verify:
+            ckpt.verify(sorted({ckpt.entry(a.source).stored for a in lp.assignments}))
+        values = [(a, _read(ckpt, ckpt.entry(a.source))) for a in lp.assignments]
+    for assignment, value in values:
+        target = arrays[assignment.names[0]]
+        np.copyto(target, value, casting="unsafe" if assignment.cast else "no")
+    if tie:
+        for keep, *others in lp.tie:
+            for other in others:
+                arrays[other] = arrays[keep]
+    return lp.report
