@@ -53,8 +53,12 @@ from ._writer import layout, write
 
 FORMAT = "weightvault-vault"
 VERSION = 1
-#: An intent or gc marker older than this belongs to a process that died.
+#: An intent or temporary file older than this belongs to a process that died.
 STALE_SECONDS = 3600.0
+#: A running gc rewrites its marker this often; one not rewritten for GC_STALE_SECONDS
+#: belongs to a gc that died, and saves stop waiting for it.
+GC_HEARTBEAT_SECONDS = 10.0
+GC_STALE_SECONDS = 60.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 Progress = Callable[[int], None]
@@ -65,6 +69,26 @@ def content_hash(data: memoryview | bytes) -> str:
     view = memoryview(data).cast("B")
     threads = blake3.blake3.AUTO if view.nbytes >= 1 << 22 else 1
     return blake3.blake3(view, max_threads=threads).hexdigest()
+
+
+def _is_temp(key: str) -> bool:
+    # LocalStore writes "<dir>/.<random>.tmp" and renames it into place.
+    return key.rsplit("/", 1)[-1].startswith(".")
+
+
+class _Heartbeat:
+    """A gc's marker, rewritten now and then so saves can tell a live gc from a dead one."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store, self.key = store, key
+        self.last = 0.0
+        self()
+
+    def __call__(self) -> None:
+        now = time.time()
+        if now - self.last >= GC_HEARTBEAT_SECONDS:
+            self.store.put(self.key, json.dumps({"created": now}).encode())
+            self.last = now
 
 
 def _object_key(digest: str) -> str:
@@ -148,7 +172,11 @@ class VaultCheckpoint(Checkpoint):
         try:
             got = self.store.get_many(list(keys))
         except FileNotFoundError as e:
-            raise FormatError(f"{self.path}: an object is missing ({e}); run vault verify") from e
+            lost = [n for k, n in keys.items() if str(e).endswith(k)] or list(keys.values())
+            raise FormatError(
+                f"{self.path}: tensor {lost[0]!r}: its object is missing; the vault is "
+                "damaged, run 'weightvault vault ROOT verify'"
+            ) from e
         for key, data in got.items():
             self._cache[keys[key]] = memoryview(bytearray(data))
 
@@ -398,7 +426,9 @@ class Vault:
         raise WeightvaultError(f"{self.url}: could not find a free checkpoint name")
 
     def _next_name(self) -> str:
-        numbers = [int(n) for n in self._names() if n.isdigit()]
+        # Deleted checkpoints leave a tombstone, so a number is never handed out twice.
+        gone = [b.key.rsplit("/", 1)[-1].removesuffix(".json") for b in self.store.list("deleted")]
+        numbers = [int(n) for n in [*self._names(), *gone] if n.isdigit()]
         return f"{max(numbers, default=0) + 1:06d}"
 
     def _check_name(self, name: str) -> None:
@@ -413,7 +443,11 @@ class Vault:
         delay = 0.01
         while True:
             now = time.time()
-            running = [b for b in self.store.list("gc") if now - b.mtime < STALE_SECONDS]
+            running = [
+                b
+                for b in self.store.list("gc")
+                if not _is_temp(b.key) and now - b.mtime < GC_STALE_SECONDS
+            ]
             if not running:
                 return
             if time.monotonic() > deadline:
@@ -459,7 +493,7 @@ class Vault:
                 doc = self._doc(name)
             except CheckpointNotFoundError:
                 continue  # deleted while we listed
-            records.append(_record(name, doc, name))
+            records.append(_record(name, doc, f"{self.url}/checkpoints/{name}.json"))
         return sorted(records, key=lambda r: (r.created, r.name))
 
     def _resolve(self, name: str) -> str:
@@ -495,6 +529,8 @@ class Vault:
     def delete(self, name: str) -> None:
         """Remove checkpoint ``name``; its objects are freed by the next :meth:`gc`."""
         self._doc(name)
+        if name.isdigit():
+            self.store.put(f"deleted/{name}.json", json.dumps({"deleted": time.time()}).encode())
         self.store.delete(f"checkpoints/{name}.json")
 
     def retain(
@@ -518,36 +554,61 @@ class Vault:
         return deleted
 
     def gc(self) -> int:
-        """Delete objects no checkpoint or in-flight save references; return bytes freed."""
+        """Delete objects no checkpoint or in-flight save references; return bytes freed.
+
+        Raises:
+            FormatError: A checkpoint record is unreadable, so gc cannot know which objects
+                it needs; nothing is deleted. Fix or remove that record first.
+        """
         marker = f"gc/{uuid.uuid4().hex}.json"
-        self.store.put(marker, json.dumps({"created": time.time()}).encode())
+        beat = _Heartbeat(self.store, marker)
         try:
             objects = self.store.list("objects")
-            live: set[str] = set()
-            for name in self._names():
-                try:
-                    live |= set(self._doc(name).get("objects", {}).values())
-                except CheckpointNotFoundError:
-                    continue
             now = time.time()
+            live: set[str] = set()
+            # Intents before checkpoints: a save that commits and drops its intent between
+            # the two reads is then still seen, as a checkpoint.
             for blob in self.store.list("intents"):
+                if _is_temp(blob.key):
+                    continue  # an intent still being written; its save then waits for us
                 if now - blob.mtime > STALE_SECONDS:
                     self.store.delete(blob.key)
                     continue
                 try:
-                    live |= set(json.loads(self.store.get(blob.key)).get("objects", []))
+                    doc = json.loads(self.store.get(blob.key))
+                    live |= {str(h) for h in doc["objects"]}
                 except FileNotFoundError:
+                    continue  # its save finished; its checkpoint is read below
+                except (ValueError, KeyError, TypeError) as e:
+                    raise FormatError(
+                        f"{self.url}/{blob.key}: unreadable intent; gc deleted nothing. It "
+                        "expires after an hour, or delete it if no save is running"
+                    ) from e
+                beat()
+            for name in self._names():
+                try:
+                    ckpt = VaultCheckpoint(self.store, name, self._doc(name))
+                except CheckpointNotFoundError:
                     continue
+                except FormatError as e:
+                    raise FormatError(
+                        f"{e}; gc deleted nothing, since it cannot tell which objects that "
+                        f"checkpoint needs. Remove it with vault.delete({name!r}) or restore it"
+                    ) from e
+                live |= set(ckpt.objects.values())
+                beat()
             freed = 0
             for blob in objects:
                 base = blob.key.rsplit("/", 1)[-1]
-                if base.startswith("."):
-                    # A temporary file: a writer in progress, or one that died long ago.
-                    if now - blob.mtime > STALE_SECONDS:
-                        self.store.delete(blob.key)
-                        freed += blob.size
+                if _is_temp(blob.key):
                     continue
                 if base not in live:
+                    self.store.delete(blob.key)
+                    freed += blob.size
+                    beat()
+            # Temporary files of writers that died long ago, anywhere in the vault.
+            for blob in self.store.list(""):
+                if _is_temp(blob.key) and now - blob.mtime > STALE_SECONDS:
                     self.store.delete(blob.key)
                     freed += blob.size
             return freed
