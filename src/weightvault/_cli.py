@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from . import __version__
 from ._errors import FormatError, WeightvaultError
-from ._inspect import Inspection, diff, inspect, verify
+from ._inspect import DiffReport, Inspection, diff, inspect, verify
 from ._progress import Progress, human
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -119,10 +119,14 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
-    d = diff(args.a, args.b)
-    changed = [(n, v) for n, v in d.changed if v is None or v > args.atol]
+    return report_diff(diff(args.a, args.b), args.atol, args.json, out)
+
+
+def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
+    """Print a diff (``-`` removed, ``+`` added, ``~`` changed) and return the exit code."""
+    changed = [(n, v) for n, v in d.changed if v is None or v > atol]
     within = len(d.changed) - len(changed)
-    if args.json:
+    if as_json:
         doc = asdict(d)
         doc["changed"] = changed
         json.dump(doc, out, indent=2)

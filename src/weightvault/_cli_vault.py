@@ -9,7 +9,15 @@ import os
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from ._cli import EXIT_FAILED, EXIT_OK, Subparsers, _table, add_command, print_inspection
+from ._cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Subparsers,
+    _table,
+    add_command,
+    print_inspection,
+    report_diff,
+)
 from ._inspect import _inspection, diff
 from ._progress import Progress, human
 from ._vault import Vault
@@ -80,24 +88,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     with vault.open(args.a) as a, vault.open(args.b) as b:
-        d = diff(a, b)
-    if args.json:
-        json.dump(asdict(d), out, indent=2)
-        out.write("\n")
-    else:
-        for n in d.removed:
-            out.write(f"- {n}\n")
-        for n in d.added:
-            out.write(f"+ {n}\n")
-        for n, x, y in d.reshaped:
-            out.write(f"~ {n}: {x} -> {y}\n")
-        for n, v in d.changed:
-            out.write(f"~ {n}: max abs diff {'?' if v is None else f'{v:.6g}'}\n")
-        out.write(
-            f"{len(d.removed)} removed, {len(d.added)} added, {len(d.reshaped)} reshaped, "
-            f"{len(d.changed)} changed, {d.same} identical\n"
-        )
-    return EXIT_OK if d.identical else EXIT_FAILED
+        return report_diff(diff(a, b), args.atol, args.json, out)
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -215,6 +206,7 @@ def register(sub: Subparsers) -> None:
     p = verb("diff", cmd_diff, "Compare two checkpoints name by name; exit 1 if they differ.")
     p.add_argument("a")
     p.add_argument("b")
+    p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
     verb("verify", cmd_verify, "Check every record and every object's hash; exit 1 if damaged.")
     verb("gc", cmd_gc, "Delete objects that no checkpoint references; print the bytes freed.")
     p = verb("export", cmd_export, "Write one checkpoint as a standalone safetensors file.")

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 
 from . import _rules, _writer
 from ._errors import RuleError
-from ._plan import Source, plan
+from ._plan import Source
 from ._reader import Checkpoint, Entry, opened
 from ._reports import SaveReport
 
@@ -137,24 +137,14 @@ def convert(
     checked = _rules.check(rules)
     with opened(src) as ckpt:
         sources, dropped = _sources(ckpt, checked)
-        p = plan(sources)
         metadata = {"converted_from": os.path.basename(ckpt.path)}
-        fmt = getattr(ckpt, "format", None) or "safetensors"
-        metadata["source_format"] = str(fmt)
-        file_bytes = 0
-        if not dry_run:
-            file_bytes = _writer.write(
-                dst, p, framework=ckpt.framework, metadata=metadata, checksum=checksum
-            )
-    return SaveReport(
-        path=os.fspath(dst),
-        stored=[s.name for s, _ in _writer.layout(p.stored)],
-        aliases=p.aliases,
-        copies=p.copies,
-        views=list(p.views),
-        frozen=p.frozen,
-        skipped=dropped,
-        logical_bytes=p.logical_bytes,
-        stored_bytes=p.stored_bytes,
-        file_bytes=file_bytes,
-    )
+        metadata["source_format"] = str(getattr(ckpt, "format", None) or "safetensors")
+        return _writer.save_sources(
+            dst,
+            sources,
+            framework=ckpt.framework,
+            metadata=metadata,
+            checksum=checksum,
+            skipped=dropped,
+            dry_run=dry_run,
+        )

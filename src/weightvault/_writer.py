@@ -12,7 +12,8 @@ import xxhash
 from ._dtypes import ITEMSIZE
 from ._header import TensorInfo, encode_header
 from ._manifest import CHECKSUM_ALGORITHM, CHECKSUM_WIDTH, MANIFEST_KEY, Manifest
-from ._plan import Plan, Stored
+from ._plan import Plan, Source, Stored, plan
+from ._reports import SaveReport
 
 Progress = Callable[[int], None]
 
@@ -137,3 +138,36 @@ def _fsync_dir(folder: str) -> None:
         pass
     finally:
         os.close(dfd)
+
+
+def save_sources(
+    path: str | os.PathLike[str],
+    sources: list[Source],
+    *,
+    framework: str | None,
+    metadata: dict[str, str] | None = None,
+    checksum: bool = True,
+    dedupe_copies: bool = True,
+    skipped: list[str] | None = None,
+    dry_run: bool = False,
+) -> SaveReport:
+    """Plan ``sources`` and write them to ``path``: the save every adapter shares.
+
+    With ``dry_run`` nothing is written and ``file_bytes`` is 0.
+    """
+    p = plan(sources, dedupe_copies=dedupe_copies)
+    file_bytes = 0
+    if not dry_run:
+        file_bytes = write(path, p, framework=framework, metadata=metadata, checksum=checksum)
+    return SaveReport(
+        path=os.fspath(path),
+        stored=[s.name for s, _ in layout(p.stored)],
+        aliases=p.aliases,
+        copies=p.copies,
+        views=list(p.views),
+        frozen=p.frozen,
+        skipped=list(skipped or []),
+        logical_bytes=p.logical_bytes,
+        stored_bytes=p.stored_bytes,
+        file_bytes=file_bytes,
+    )

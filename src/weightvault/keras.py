@@ -48,7 +48,7 @@ from . import _rules, _transforms, _writer
 from ._header import TensorInfo
 from ._manifest import Manifest, View
 from ._match import RulesArg, Target, plan_load
-from ._plan import Source, plan
+from ._plan import Source
 from ._reader import Checkpoint, open_checkpoint, opened
 from ._reports import LoadReport, SaveReport
 
@@ -355,21 +355,13 @@ def save(
         >>> report.aliases
         {'tied_1/shared_kernel': 'tied/shared_kernel'}
     """
-    sources = _sources(obj)
-    p = plan(sources, dedupe_copies=dedupe_copies)
-    file_bytes = _writer.write(
-        path, p, framework=FRAMEWORK, metadata=dict(metadata or {}), checksum=checksum
-    )
-    return SaveReport(
-        path=os.fspath(path),
-        stored=[s.name for s, _ in _writer.layout(p.stored)],
-        aliases=p.aliases,
-        copies=p.copies,
-        views=list(p.views),
-        frozen=p.frozen,
-        logical_bytes=p.logical_bytes,
-        stored_bytes=p.stored_bytes,
-        file_bytes=file_bytes,
+    return _writer.save_sources(
+        path,
+        _sources(obj),
+        framework=FRAMEWORK,
+        metadata=dict(metadata or {}),
+        checksum=checksum,
+        dedupe_copies=dedupe_copies,
     )
 
 

@@ -29,7 +29,7 @@ except ImportError as e:  # pragma: no cover - exercised only without numpy
 
 from . import _writer
 from ._match import RulesArg, Target, plan_load
-from ._plan import Source, plan
+from ._plan import Source
 from ._reader import Checkpoint, Entry, opened
 from ._reports import LoadReport, SaveReport
 
@@ -180,21 +180,13 @@ def save(
         >>> save({"w": w, "w_again": w}, "w.safetensors").aliases
         {'w_again': 'w'}
     """
-    sources = [_source(k, v) for k, v in arrays.items()]
-    p = plan(sources, dedupe_copies=dedupe_copies)
-    file_bytes = _writer.write(
-        path, p, framework="np", metadata=dict(metadata or {}), checksum=checksum
-    )
-    return SaveReport(
-        path=os.fspath(path),
-        stored=[s.name for s, _ in _writer.layout(p.stored)],
-        aliases=p.aliases,
-        copies=p.copies,
-        views=list(p.views),
-        frozen=p.frozen,
-        logical_bytes=p.logical_bytes,
-        stored_bytes=p.stored_bytes,
-        file_bytes=file_bytes,
+    return _writer.save_sources(
+        path,
+        [_source(k, v) for k, v in arrays.items()],
+        framework="np",
+        metadata=dict(metadata or {}),
+        checksum=checksum,
+        dedupe_copies=dedupe_copies,
     )
 
 

@@ -28,7 +28,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 from . import _rules, _transforms, _writer
 from ._match import Assignment, RulesArg, Target, plan_load
-from ._plan import Source, plan
+from ._plan import Source
 from ._reader import Checkpoint, Entry, opened
 from ._reports import LoadReport, SaveReport
 
@@ -193,21 +193,14 @@ def save(
         {'lm_head.weight': 'transformer.wte.weight'}
     """
     sources, skipped = _sources(obj)
-    p = plan(sources, dedupe_copies=dedupe_copies)
-    file_bytes = _writer.write(
-        path, p, framework=FRAMEWORK, metadata=dict(metadata or {}), checksum=checksum
-    )
-    return SaveReport(
-        path=os.fspath(path),
-        stored=[s.name for s, _ in _writer.layout(p.stored)],
-        aliases=p.aliases,
-        copies=p.copies,
-        views=list(p.views),
-        frozen=p.frozen,
+    return _writer.save_sources(
+        path,
+        sources,
+        framework=FRAMEWORK,
+        metadata=dict(metadata or {}),
+        checksum=checksum,
+        dedupe_copies=dedupe_copies,
         skipped=skipped,
-        logical_bytes=p.logical_bytes,
-        stored_bytes=p.stored_bytes,
-        file_bytes=file_bytes,
     )
 
 

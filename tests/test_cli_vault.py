@@ -1,0 +1,98 @@
+"""`weightvault vault ROOT VERB`: tables, --json, exit codes, and the plot."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import weightvault  # noqa: E402
+import weightvault.torch as wv  # noqa: E402
+from weightvault._cli import main  # noqa: E402
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return main(list(argv), out=out), out.getvalue()
+
+
+@pytest.fixture
+def vault(tmp_path: Path) -> tuple[Path, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    wv.freeze(model, "0")
+    opt = torch.optim.SGD(wv.trainable(model), lr=0.1)
+    v = weightvault.Vault(tmp_path / "v")
+    for step in range(3):
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        v.save(model, metadata={"step": str(step)})
+    return tmp_path / "v", model
+
+
+def test_log_lists_checkpoints_with_their_cost(vault):
+    root, _ = vault
+    code, out = run("vault", str(root), "log")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["checkpoint", "created", "logical", "new"]
+    assert [line.split()[0] for line in lines[1:4]] == ["000001", "000002", "000003"]
+    assert "step=2" in lines[3] and "1.0 KiB" in lines[3]  # only the 4x64 head + bias
+    assert "3 checkpoints; vault on disk" in out
+    code, out = run("vault", str(root), "log", "--json")
+    doc = json.loads(out)
+    assert [r["new_bytes"] for r in doc][1:] == [(4 * 64 + 4) * 4] * 2
+
+
+def test_show_diff_verify_export_rm_gc(vault, tmp_path):
+    root, model = vault
+    code, out = run("vault", str(root), "show", "latest")
+    assert code == 0 and "0.weight" in out and "stored (frozen)" in out
+    code, out = run("vault", str(root), "diff", "000001", "000002")
+    assert code == 1 and "~ 1.weight: max abs diff" in out and "2 identical" in out
+    assert run("vault", str(root), "diff", "000002", "000002")[0] == 0
+    assert run("vault", str(root), "verify")[0] == 0
+
+    target = tmp_path / "exported.safetensors"
+    code, out = run("vault", str(root), "export", "latest", str(target))
+    assert code == 0 and target.exists()
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    wv.load(fresh, target)
+    assert torch.equal(fresh[1].weight, model[1].weight)
+
+    code, out = run("vault", str(root), "rm", "000001", "000002")
+    assert code == 0 and "run 'gc'" in out
+    code, out = run("vault", str(root), "gc", "--json")
+    assert code == 0 and json.loads(out)["freed_bytes"] == 2 * (4 * 64 + 4) * 4
+
+
+def test_verify_exits_1_naming_the_damage(vault):
+    root, _ = vault
+    objects = sorted((root / "objects").rglob("*"), key=lambda p: p.stat().st_size)
+    biggest = objects[-1]
+    data = bytearray(biggest.read_bytes())
+    data[0] ^= 1
+    biggest.write_bytes(bytes(data))
+    code, out = run("vault", str(root), "verify")
+    assert code == 1 and "DAMAGED" in out and "tensor '0.weight'" in out and "corrupt" in out
+
+
+def test_unknown_checkpoint_and_usage(vault, capsys):
+    root, _ = vault
+    assert run("vault", str(root), "show", "nope")[0] == 3
+    assert "no checkpoint named 'nope'; it has 000001, 000002, 000003" in capsys.readouterr().err
+    assert run("vault", str(root))[0] == 2
+
+
+def test_plot_writes_a_png(vault, tmp_path):
+    pytest.importorskip("matplotlib")
+    root, _ = vault
+    png = tmp_path / "bytes.png"
+    code, out = run("vault", str(root), "plot", "-o", str(png))
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
