@@ -95,4 +95,5 @@ def test_plot_writes_a_png(vault, tmp_path):
     root, _ = vault
     png = tmp_path / "bytes.png"
     code, out = run("vault", str(root), "plot", "-o", str(png))
-    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert code == 0 and str(png) in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
