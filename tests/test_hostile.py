@@ -281,7 +281,7 @@ CASES: dict[str, tuple[bytes, str]] = {
     ),
     "copy_to_missing": (
         blob(with_manifest({"version": 1, "copies": {"c": "nope"}}, TWO), TWO_DATA),
-        r"copy 'c' points at 'nope', which is not stored",
+        r"copy 'c' points at 'nope', which is neither stored nor a view",
     ),
     "copies_non_string": (
         blob(with_manifest({"version": 1, "copies": {"c": ["a"]}}, TWO), TWO_DATA),

@@ -214,11 +214,10 @@ def expected_stored_bytes(tensors: dict[str, Any]) -> int:
         if len(members) > 1:
             size = max(m.untyped_storage().nbytes() for m in members)
             total += size
-            # A tensor covering its whole storage is stored as the views' base, and a
-            # separate tensor equal to it is a copy of it.
+            # Every tensor of a shared storage is placed (the base stored, the rest views),
+            # and a separate tensor equal to any of them is a copy of it.
             for m in members:
-                if m.is_contiguous() and m.numel() * m.element_size() == size:
-                    values.add((m.dtype, tuple(m.shape), bytes(bits(m).numpy())))
+                values.add((m.dtype, tuple(m.shape), bytes(bits(m).numpy())))
     for t in distinct.values():
         if t.numel() > 0 and len(by_storage[storage(t)]) > 1:
             continue  # part of a storage with views: counted once above

@@ -52,10 +52,12 @@ def _source(ckpt: Checkpoint, e: Entry, name: str, frozen: bool) -> Source:
     def region(start: int, end: int) -> memoryview:
         return ckpt.raw(stored)[start:end]
 
-    if e.kind == "copy":
-        # A copy is its own tensor; plan() finds it again by content.
-        return Source(name, e.dtype, e.shape, ("copy", e.name), whole, frozen)
     identity: Hashable = ("group", e.group)
+    if ckpt.owns_memory(e):
+        # A copy is its own tensor (with its aliases); plan() finds it again by content.
+        identity = ("copy", e.group)
+        if e.view is None:
+            return Source(name, e.dtype, e.shape, identity, whole, frozen)
     if e.view is None:
         n = len(e.shape)
         stride = tuple(_c_strides(e.shape)) if n else ()
@@ -77,11 +79,13 @@ def _source(ckpt: Checkpoint, e: Entry, name: str, frozen: bool) -> Source:
 
         return strided(ckpt.raw(stored), v.dtype, v.shape, v.stride, v.offset)
 
+    if ckpt.owns_memory(e):
+        return Source(name, v.dtype, v.shape, identity, gathered, frozen)
     return Source(
         name,
         v.dtype,
         v.shape,
-        ("view", e.name),
+        ("view", e.group),
         gathered,
         frozen,
         storage=("stored", stored),

@@ -205,8 +205,10 @@ def _validate(m: Manifest, tensors: dict[str, TensorInfo], where: str) -> None:
         clash = sorted({n for n, c in counts.items() if c > 1} | (set(logical) & set(tensors)))
         raise FormatError(f"{where}: manifest gives names {clash[:8]} more than one meaning")
     for name, target in m.copies.items():
-        if target not in tensors:
-            raise FormatError(f"{where}: copy {name!r} points at {target!r}, which is not stored")
+        if target not in tensors and target not in m.views:
+            raise FormatError(
+                f"{where}: copy {name!r} points at {target!r}, which is neither stored nor a view"
+            )
     for name, target in m.aliases.items():
         # An alias names a stored tensor, a copy or a view, never another alias, so no
         # chain and no cycle can form.

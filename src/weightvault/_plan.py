@@ -143,8 +143,9 @@ def plan(sources: Sequence[Source], *, dedupe_copies: bool = True) -> Plan:
     bases: list[Source] = []
     plain = _plan_views(reps, out, order, bases)
 
-    # Stored tensors by dtype and shape: only those can be copies of each other. Bases of
-    # views are stored whatever happens, so they are candidates from the start.
+    # Placed tensors by dtype and shape: only those can be copies of each other. Tensors
+    # sharing a storage (bases and their views) are placed whatever happens, so they are
+    # candidates from the start; a copy may name a view.
     candidates: dict[tuple[str, tuple[int, ...]], list[Source]] = defaultdict(list)
     for base in bases:
         candidates[(base.dtype, base.shape)].append(base)
@@ -172,7 +173,8 @@ def _plan_views(
 ) -> list[Source]:
     """Record tensors that overlap in one storage as views; return the rest.
 
-    Tensors stored as the base of views are appended to ``bases``.
+    Every tensor of a shared storage (the stored base and its views) is appended to
+    ``bases``, since later tensors may be copies of any of them.
     """
     by_storage: dict[Hashable, list[Source]] = defaultdict(list)
     plain: list[Source] = []
@@ -210,7 +212,6 @@ def _component(
     if covering:
         base = min(covering, key=lambda m: order[m.name])
         out.stored.append(Stored(base.name, base.dtype, base.shape, base.data, order[base.name]))
-        bases.append(base)
         base_name = base.name
     else:
         # No tensor covers the shared bytes, so store the storage region itself.
@@ -223,7 +224,8 @@ def _component(
             Stored(base_name, "U8", (end - start,), lambda: region(start, end), order[first.name])
         )
         base = None
-    for m in members:
+    for m in sorted(members, key=lambda m: order[m.name]):
+        bases.append(m)
         if m is not base:
             out.views[m.name] = View(base_name, m.dtype, m.shape, m.stride, m.span()[0] - start)
     return internal

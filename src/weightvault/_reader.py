@@ -68,10 +68,10 @@ class Checkpoint:
         def held(name: str, kind: Kind, group: str) -> Entry:
             if name in t:
                 return Entry(name, kind, name, t[name].dtype, t[name].shape, None, group)
-            if name in m.copies:
+            if name in m.copies and m.copies[name] in t:
                 s = t[m.copies[name]]
                 return Entry(name, kind, s.name, s.dtype, s.shape, None, group)
-            v = m.views[name]
+            v = m.views[m.copies.get(name, name)]
             return Entry(name, kind, v.base, v.dtype, v.shape, v, group)
 
         out: dict[str, Entry] = {}
@@ -105,6 +105,10 @@ class Checkpoint:
 
     def entry(self, name: str) -> Entry:
         return self.entries[name]
+
+    def owns_memory(self, e: Entry) -> bool:
+        """Whether ``e``'s tensor is a copy: memory of its own (shared with its aliases)."""
+        return self.entries[e.group].kind == "copy"
 
     def raw(self, stored: str) -> memoryview:
         """The bytes of a stored tensor."""

@@ -433,10 +433,14 @@ def load_file(path: Source_, *, mmap: bool = False, verify: bool = False) -> dic
         if not mmap:
             bases = {s: b.copy() for s, b in bases.items()}
         out: dict[str, Any] = {}
+        groups: dict[str, Any] = {}
         for name in ckpt.names:
             e = ckpt.entry(name)
-            value = _value(ckpt, name, bases[e.stored])
-            out[name] = value.copy() if e.kind == "copy" else value
+            if e.group not in groups:
+                value = _value(ckpt, name, bases[e.stored])
+                # A copy is an array of its own, shared only with its aliases.
+                groups[e.group] = value.copy() if ckpt.owns_memory(e) else value
+            out[name] = groups[e.group]
         return out
     finally:
         if ckpt is not path:

@@ -269,7 +269,7 @@ def load_file(
             if e.group not in groups:
                 value = _value(ckpt, e, bases[e.stored])
                 # A copy is a tensor of its own (shared only with its aliases).
-                groups[e.group] = value.clone() if e.view is None and e.group != e.stored else value
+                groups[e.group] = value.clone() if ckpt.owns_memory(e) else value
             out[name] = groups[e.group]
         return out
 
