@@ -31,6 +31,7 @@ def test_keras_suite_passes_on_the_jax_backend():
             "no:cacheprovider",
             str(HERE / "test_keras.py"),
             str(HERE / "test_cross_framework.py"),
+            str(HERE / "test_vault_keras.py"),
         ],
         env=env,
         capture_output=True,

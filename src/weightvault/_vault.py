@@ -256,7 +256,8 @@ def _adapter(model: Any) -> Any:
     kinds = [c.__module__.split(".")[0] for c in type(model).__mro__]
     if isinstance(model, Mapping) and model:
         kinds = [type(next(iter(model.values()))).__module__.split(".")[0]]
-    for framework, module in (("torch", "weightvault.torch"), ("keras", "weightvault.keras")):
+    # Keras first: on KERAS_BACKEND=torch a Keras model is also a torch.nn.Module.
+    for framework, module in (("keras", "weightvault.keras"), ("torch", "weightvault.torch")):
         if framework in kinds:
             return importlib.import_module(module)
     raise TypeError(

@@ -288,7 +288,11 @@ def _frozen_ids(model: Any, vs: list[_Var]) -> set[int]:
     return {id(v.variable) for v in vs if v.is_param and id(v.variable) not in live}
 
 
-def _sources(obj: Any) -> list[Source]:
+def _sources(obj: Any) -> tuple[list[Source], list[str]]:
+    """Every named variable as a :class:`Source`, and the names left out (none here).
+
+    This is the contract every adapter offers the vault: ``(sources, skipped)``.
+    """
     if isinstance(obj, Mapping):
         out = []
         for name, value in obj.items():
@@ -305,7 +309,7 @@ def _sources(obj: Any) -> list[Source]:
                     frozen=is_var and not value.trainable,
                 )
             )
-        return out
+        return out, []
     vs = _model_vars(obj, "save")
     frozen = _frozen_ids(obj, vs)
     out = []
@@ -322,7 +326,7 @@ def _sources(obj: Any) -> list[Source]:
                 frozen=id(var) in frozen,
             )
         )
-    return out
+    return out, []
 
 
 def save(
@@ -357,7 +361,7 @@ def save(
     """
     return _writer.save_sources(
         path,
-        _sources(obj),
+        _sources(obj)[0],
         framework=FRAMEWORK,
         metadata=dict(metadata or {}),
         checksum=checksum,
