@@ -11,7 +11,7 @@ import weightvault  # noqa: E402
 import weightvault.keras as wk  # noqa: E402
 
 
-def build(seed: int) -> "keras.Model":
+def build(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((16,))
     backbone = keras.layers.Dense(32, name="backbone")
