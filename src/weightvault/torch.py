@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._errors import BackendNotInstalled, RuleError, WeightvaultError, capped
@@ -33,6 +34,9 @@ from ._reader import Checkpoint, Entry, opened
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
+
+#: Threads that copy bytes into parameters during a load (reads release the GIL).
+_READERS = min(4, os.cpu_count() or 1)
 
 #: The ``"format"`` written into ``__metadata__``, as transformers expects.
 FRAMEWORK = "pt"
@@ -373,14 +377,21 @@ def load(
         if mmap:
             _check_mmap(lp.assignments, tensors, ckpt.path)
         mapped: set[str] = set()
-        with torch.no_grad():
+        with torch.no_grad(), ThreadPoolExecutor(_READERS) as readers:
+            pending = []
             for a in lp.assignments:
+                transform = _transforms.resolve(pairs, a.names)
+                if not mmap and transform is None:
+                    # Plain reads release the GIL; several run at once, like copy_ would.
+                    pending.append(readers.submit(_assign_quietly, ckpt, a, tensors))
+                    continue
                 # A second model tensor read from the same bytes (untied, or a copy) must
                 # not share the mapping with the first, or writing one would change both.
                 stored = ckpt.entry(a.source).stored
-                transform = _transforms.resolve(pairs, a.names)
                 _assign(ckpt, a, tensors, mmap=mmap and stored not in mapped, transform=transform)
                 mapped.add(stored)
+            for future in pending:
+                future.result()
         if tie:
             _tie(model, lp.tie)
     if restore_frozen:
@@ -420,6 +431,12 @@ def _assign(
         target.data = source
     else:
         target.copy_(source)
+
+
+def _assign_quietly(ckpt: Checkpoint, a: Assignment, tensors: dict[str, torch.Tensor]) -> None:
+    # Grad mode is per thread: a worker does not inherit the caller's no_grad().
+    with torch.no_grad():
+        _assign(ckpt, a, tensors, mmap=False)
 
 
 def _read_direct(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
