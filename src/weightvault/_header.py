@@ -193,13 +193,13 @@ def _check_layout(tensors: dict[str, TensorInfo], data_size: int, where: str) ->
         )
 
 
-def encode_header(tensors: list[TensorInfo], metadata: dict[str, str]) -> bytes:
-    """Encode a header, padded with spaces so the data section starts 8-byte aligned."""
+def encode_header(tensors: list[TensorInfo], metadata: dict[str, str], *, align: int = 8) -> bytes:
+    """Encode a header, padded with spaces so the data section starts ``align``-aligned."""
     doc: dict[str, Any] = {}
     if metadata:
         doc[METADATA_KEY] = metadata
     for t in tensors:
         doc[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.start, t.end]}
     body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    body += b" " * (-len(body) % 8)
+    body += b" " * (-(8 + len(body)) % align)
     return struct.pack("<Q", len(body)) + body

@@ -18,6 +18,10 @@ from ._reports import SaveReport
 
 Progress = Callable[[int], None]
 
+PAGE = 4096
+#: From this much data on, the data section is page-aligned (costs < 4 KiB of padding).
+BIG = 16 << 20
+
 
 def layout(stored: list[Stored]) -> list[tuple[Stored, TensorInfo]]:
     """Order stored tensors widest dtype first, then model order, and assign offsets.
@@ -45,8 +49,8 @@ def write(
     """Write ``plan`` to ``path`` atomically and return the file size.
 
     The data is streamed tensor by tensor, never gathered in memory. Checksums are
-    computed while writing; the header is written first with fixed-width placeholders
-    and rewritten in place once they are known, so the data is read only once.
+    computed while writing, and the header, whose length is fixed in advance (digests
+    have a fixed width), is written last at offset 0, so the data is read only once.
 
     The file appears at ``path`` only after it is complete and on disk: it is written to
     a temporary name in the same folder, fsynced, then renamed over ``path``. A crash at
@@ -65,13 +69,17 @@ def write(
     )
     header_meta = _header_metadata(plan, framework, manifest)
     infos = [info for _, info in placed]
-    header = encode_header(infos, header_meta)
+    # Large files start their data on a page of its own: the header is written last, and
+    # rewriting a page the kernel is already writing back can stall for the whole queue.
+    align = PAGE if sum(i.nbytes for i in infos) >= BIG else 8
+    header = encode_header(infos, header_meta, align=align)
 
     target = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(target))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
     try:
-        _write_all(fd, header)
+        # The header goes in last, once the checksums are known; data starts after it.
+        os.lseek(fd, len(header), os.SEEK_SET)
         # xxhash and os.write both release the GIL, so a helper thread hashes each tensor
         # while this one writes it: the checksum costs almost no wall time.
         with ThreadPoolExecutor(max_workers=1) as hasher:
@@ -83,11 +91,10 @@ def write(
                     manifest.sums[s.name] = digest.result()
                 if progress is not None:
                     progress(s.nbytes)
-        if checksum:
-            final = encode_header(infos, _header_metadata(plan, framework, manifest))
-            # Same length by construction: placeholders and digests are both 16 hex digits.
-            assert len(final) == len(header)
-            os.pwrite(fd, final, 0)
+        final = encode_header(infos, _header_metadata(plan, framework, manifest), align=align)
+        # Same length by construction: placeholders and digests are both 16 hex digits.
+        assert len(final) == len(header)
+        os.pwrite(fd, final, 0)
         os.fchmod(fd, 0o644 & ~_umask())
         os.fsync(fd)
         os.close(fd)
