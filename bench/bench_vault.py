@@ -31,7 +31,18 @@ import urllib.request
 
 import safetensors.torch as st
 import torch
-from _common import MiB, build_model, fsync_dir, fsync_path, machine, med, quiesce, table, timed
+from _common import (
+    MiB,
+    build_model,
+    drop_file_cache,
+    fsync_dir,
+    fsync_path,
+    machine,
+    med,
+    quiesce,
+    table,
+    timed,
+)
 
 import weightvault
 import weightvault.torch as wv
@@ -102,6 +113,22 @@ def run(label: str, vault: weightvault.Vault, files_dir: str, quick: bool, round
                 quiesce()
                 t = timed(fn)
                 {"v": load_v, "vn": load_v_noverify, "st": load_st}[who].append(t)
+    # Cold page cache (local only): the objects and the file are evicted before each load.
+    cold_v: list[float] = []
+    cold_st: list[float] = []
+    root = vault.store.local_path("objects")
+    if root is not None:
+        objects = [os.path.join(f, n) for f, _, ns in os.walk(root) for n in ns]
+        for r in range(rounds):
+            pair = [
+                ("v", lambda: vault.load(fresh, names[-1]), objects),
+                ("st", lambda: st.load_model(fresh, files[9]), [files[9]]),
+            ]
+            for who, fn, evict in pair if r % 2 == 0 else pair[::-1]:
+                for path in evict:
+                    drop_file_cache(path)
+                t = timed(fn)
+                (cold_v if who == "v" else cold_st).append(t)
     # Fetching the bytes alone (no hashing, no copying): the store's own limit.
     fetch = [timed(lambda: vault.open(names[-1]).close()) for _ in range(rounds)]
     # The model must come back exactly, whichever checkpoint.
@@ -128,6 +155,8 @@ def run(label: str, vault: weightvault.Vault, files_dir: str, quick: bool, round
         "load_ratio": med(load_v) / med(load_st),
         "load_ratio_noverify": med(load_v_noverify) / med(load_st),
         "open_fetch_median_s": med(fetch),
+        "cold_load_vault_median_s": med(cold_v) if cold_v else None,
+        "cold_load_st_median_s": med(cold_st) if cold_st else None,
     }
 
 
@@ -265,6 +294,13 @@ def main() -> None:
             ],
         )
     )
+    for r in results:
+        if r["cold_load_vault_median_s"] is not None:
+            v, t = r["cold_load_vault_median_s"], r["cold_load_st_median_s"]
+            print(
+                f"\n{r['label']}, cold page cache: vault load (verify) {v:.3f} s, "
+                f"safetensors load_model {t:.3f} s, ratio {v / t:.2f}x"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "results": results}, f, indent=2)
