@@ -40,7 +40,7 @@ def test_four_shared_layers_cost_one_layer(tmp_path):
     report = wv.save(model, path)
     one_layer = (2048 * 2048 + 2048) * 4
     assert report.stored_bytes == one_layer
-    assert os.path.getsize(path) < one_layer + 4096
+    assert os.path.getsize(path) <= one_layer + 8192  # a header page at most
     torch_save = tmp_path / "four.pt"
     torch.save(model.state_dict(), torch_save)
     info = weightvault.inspect(path)
