@@ -1,4 +1,5 @@
-"""The ``weightvault`` command line: inspect, verify and diff checkpoint files.
+"""The ``weightvault`` command line: inspect, verify, diff (and, from other modules,
+convert and vault) checkpoint files.
 
 Exit codes (also in ``weightvault --help``):
     0  success: the file is intact, or the two files are identical
@@ -175,8 +176,9 @@ def _extensions() -> list[Callable[[Subparsers], None]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightvault",
-        description="Inspect, verify and compare weight files that store every distinct "
-        "tensor once (valid safetensors; plain safetensors files work too).",
+        description="Inspect, verify, compare and convert weight files that store every "
+        "distinct tensor once (valid safetensors; plain safetensors files work too), and "
+        "look after vaults of checkpoints.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
