@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ._dtypes import ITEMSIZE, numel
-from ._manifest import INTERNAL_PREFIX, View
+from ._manifest import CHECKSUM_ALGORITHM, INTERNAL_PREFIX, Manifest, View
 
 Bytes = Callable[[], memoryview]
 
@@ -103,6 +103,26 @@ class Plan:
     @property
     def stored_bytes(self) -> int:
         return sum(s.nbytes for s in self.stored)
+
+    def manifest(
+        self,
+        metadata: dict[str, str] | None = None,
+        *,
+        sums: dict[str, str] | None = None,
+        ours: bool = True,
+    ) -> Manifest:
+        """The manifest recording this plan; with ``sums``, xxh3 checksums are declared."""
+        return Manifest(
+            aliases=self.aliases,
+            copies=self.copies,
+            views=self.views,
+            frozen=self.frozen,
+            names=self.names,
+            checksum=CHECKSUM_ALGORITHM if sums is not None else None,
+            sums=dict(sums or {}),
+            metadata=dict(metadata or {}),
+            ours=ours,
+        )
 
 
 def same_bytes(a: memoryview, b: memoryview, chunk: int = 1 << 20) -> bool:

@@ -44,7 +44,7 @@ from ._errors import (
     capped,
 )
 from ._header import TensorInfo, encode_header, parse_header
-from ._manifest import CHECKSUM_ALGORITHM, MANIFEST_KEY, Manifest, read_manifest
+from ._manifest import MANIFEST_KEY, read_manifest
 from ._plan import Plan, Stored, plan
 from ._reader import Checkpoint, read_fully
 from ._reports import LoadReport
@@ -384,17 +384,8 @@ class Vault:
         metadata: Mapping[str, str] | None,
         new_bytes: int,
     ) -> dict[str, Any]:
-        manifest = Manifest(
-            aliases=p.aliases,
-            copies=p.copies,
-            views=p.views,
-            frozen=p.frozen,
-            names=p.names,
-            metadata=dict(metadata or {}),
-            # The same fast checksums a single file carries: what load(verify=True) checks.
-            checksum=CHECKSUM_ALGORITHM,
-            sums=sums,
-        )
+        # The same fast checksums a single file carries: what load(verify=True) checks.
+        manifest = p.manifest(dict(metadata or {}), sums=sums)
         framework = getattr(adapter, "FRAMEWORK", None)
         meta = {"format": framework} if framework else {}
         meta[MANIFEST_KEY] = manifest.encode()

@@ -12,7 +12,7 @@ import xxhash
 
 from ._dtypes import ITEMSIZE
 from ._header import TensorInfo, encode_header
-from ._manifest import CHECKSUM_ALGORITHM, CHECKSUM_WIDTH, MANIFEST_KEY, Manifest
+from ._manifest import CHECKSUM_WIDTH, MANIFEST_KEY, Manifest
 from ._plan import Plan, Source, Stored, plan
 from ._reports import SaveReport
 
@@ -57,16 +57,8 @@ def write(
     any moment leaves the previous file at ``path`` as it was.
     """
     placed = layout(plan.stored)
-    manifest = Manifest(
-        aliases=plan.aliases,
-        copies=plan.copies,
-        views=plan.views,
-        frozen=plan.frozen,
-        names=plan.names,
-        checksum=CHECKSUM_ALGORITHM if checksum else None,
-        sums={s.name: "0" * CHECKSUM_WIDTH for s, _ in placed} if checksum else {},
-        metadata=dict(metadata or {}),
-    )
+    placeholders = {s.name: "0" * CHECKSUM_WIDTH for s, _ in placed} if checksum else None
+    manifest = plan.manifest(metadata, sums=placeholders)
     header_meta = _header_metadata(plan, framework, manifest)
     infos = [info for _, info in placed]
     # Large files start their data on a page of its own: the header is written last, and

@@ -101,15 +101,7 @@ def build(
         metadata: Kept in the manifest.
     """
     p = plan(sources)
-    manifest = Manifest(
-        aliases=p.aliases,
-        copies=p.copies,
-        views=p.views,
-        frozen=p.frozen,
-        names=p.names,
-        metadata=dict(metadata or {}),
-        ours=False,
-    )
+    manifest = p.manifest(metadata, ours=False)
     arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]] = {
         s.name: (s.dtype, s.shape, s.data()) for s in p.stored
     }
