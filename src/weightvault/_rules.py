@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
@@ -111,3 +112,26 @@ def glob(patterns: Iterable[str], names: Iterable[str]) -> list[str]:
     """Names (in their order) that match any of ``patterns``, where ``*`` matches anything."""
     pats = list(patterns)
     return [n for n in names if any(match(p, n) is not None for p in pats)]
+
+
+def select(pattern: str, names: Sequence[str], sep: str) -> list[str]:
+    """Names matching ``pattern``; a bare prefix (no ``*``) selects everything under it.
+
+    Example:
+        >>> select("encoder", ["encoder.w", "encoder.b", "head.w"], ".")
+        ['encoder.w', 'encoder.b']
+    """
+    hits = glob([pattern], names)
+    if not hits and "*" not in pattern:
+        hits = glob([f"{pattern}{sep}*"], names)
+    return hits
+
+
+def unmatched(verb: str, pattern: str, candidates: Iterable[str], what: str, sep: str) -> RuleError:
+    """The error for a pattern that selected nothing, with the nearest name as a hint."""
+    close = difflib.get_close_matches(pattern, list(candidates), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return RuleError(
+        f"{verb}(): pattern {pattern!r} matches no {what}.{hint} Use '*' to match any "
+        f"characters, as in 'encoder{sep}*'."
+    )

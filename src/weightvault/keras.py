@@ -23,14 +23,13 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import BackendNotInstalled, FormatError, RuleError, WeightvaultError, capped
+from ._errors import BackendNotInstalled, FormatError, WeightvaultError, capped
 
 try:
     import keras
@@ -674,10 +673,7 @@ def _select(model: Any, patterns: Iterable[str], verb: str) -> tuple[list[_Var],
     names = [v.name for v in params]
     ids: set[int] = set()
     for pat in list(patterns) or ["*"]:
-        hits = {v.name for v in params if _rules.match(pat, v.name) is not None}
-        if not hits and "*" not in pat:
-            # A bare path such as "encoder" means everything under it.
-            hits = set(_rules.glob([f"{pat}/*"], names))
+        hits = set(_rules.select(pat, names, "/"))
         chosen = {id(v.variable) for v in params if v.name in hits}
         # Keras layer names (``layer.name``) select all of that layer's parameters.
         for layer in model._flatten_layers(include_self=False, recursive=True):
@@ -685,13 +681,8 @@ def _select(model: Any, patterns: Iterable[str], verb: str) -> tuple[list[_Var],
                 chosen |= {id(x) for x in layer.variables} & {id(v.variable) for v in params}
         if not chosen:
             layer_names = [str(x.name) for x in model._flatten_layers(include_self=False)]
-            close = difflib.get_close_matches(pat, names + layer_names, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise RuleError(
-                f"{verb}(): pattern {pat!r} matches no variable path or layer name of "
-                f"{type(model).__name__}.{hint} Use '*' to match any characters, as in "
-                "'encoder/*'."
-            )
+            what = f"variable path or layer name of {type(model).__name__}"
+            raise _rules.unmatched(verb, pat, names + layer_names, what, "/")
         ids |= chosen
     return [v for v in params if id(v.variable) in ids], vs
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._errors import BackendNotInstalled, RuleError, WeightvaultError, capped
+from ._errors import BackendNotInstalled, WeightvaultError, capped
 
 try:
     import torch
@@ -491,20 +491,12 @@ def _select(model: nn.Module, patterns: Iterable[str], verb: str) -> dict[str, n
     params = _params_by_name(model)
     pats = list(patterns) or ["*"]
     chosen: dict[int, nn.Parameter] = {}
+    names = list(params)
     for pat in pats:
-        hits = _rules.glob([pat], params)
-        if not hits and "*" not in pat:
-            # A bare module name means everything under it.
-            hits = _rules.glob([f"{pat}.*"], params)
+        hits = _rules.select(pat, names, ".")
         if not hits:
-            import difflib
-
-            close = difflib.get_close_matches(pat, list(params), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise RuleError(
-                f"{verb}(): pattern {pat!r} matches no parameter of {type(model).__name__}."
-                f"{hint} Use '*' to match any characters, as in 'encoder.*'."
-            )
+            what = f"parameter of {type(model).__name__}"
+            raise _rules.unmatched(verb, pat, names, what, ".")
         for n in hits:
             chosen[id(params[n])] = params[n]
     # Every name of a chosen tensor, so a tie is frozen through all of its names.
