@@ -60,7 +60,12 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         json.dump(doc, out, indent=2)
         out.write("\n")
         return EXIT_OK
-    kind = f"weightvault v{info.format_version}" if info.format_version else "plain safetensors"
+    if info.format_version:
+        kind = f"weightvault v{info.format_version}"
+    elif info.container == "safetensors":
+        kind = "plain safetensors"
+    else:
+        kind = f"{info.container} file, read without its framework"
     out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
     print_inspection(info, out)
     return EXIT_OK

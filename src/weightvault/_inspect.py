@@ -43,6 +43,8 @@ class Inspection:
         metadata: Your metadata (for a plain safetensors file: its ``__metadata__``).
         tensors: A :class:`TensorRecord` per name.
         shared_storage: Bytes of each stored region that only views read (no model name).
+        container: ``"safetensors"``, ``"vault"``, or the foreign format read
+            (``"mxnet"``, ``"torch"``, ``"hdf5"``, ``"npz"``, ...).
     """
 
     path: str
@@ -61,6 +63,7 @@ class Inspection:
     checksum: str | None
     framework: str | None
     shared_storage: dict[str, int] = field(default_factory=dict)
+    container: str = "safetensors"
 
     @property
     def bytes_saved(self) -> int:
@@ -90,6 +93,7 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
         checksum=m.checksum,
         framework=ckpt.framework,
         shared_storage={n: t.nbytes for n, t in ckpt.stored.items() if ckpt.is_internal(n)},
+        container=ckpt.container,
     )
 
 

@@ -101,6 +101,11 @@ class Checkpoint:
     def framework(self) -> str | None:
         return None
 
+    @property
+    def container(self) -> str:
+        """What holds the bytes: ``"safetensors"``, ``"vault"``, or a foreign format."""
+        return "memory"
+
     def is_internal(self, name: str) -> bool:
         return name.startswith(INTERNAL_PREFIX)
 
@@ -184,6 +189,10 @@ class SafetensorsFile(Checkpoint):
     @property
     def framework(self) -> str | None:
         return self.header.metadata.get("format")
+
+    @property
+    def container(self) -> str:
+        return "safetensors"
 
     def raw(self, stored: str) -> memoryview:
         info = self.stored[stored]

@@ -155,6 +155,10 @@ class VaultCheckpoint(Checkpoint):
     def framework(self) -> str | None:
         return self._framework
 
+    @property
+    def container(self) -> str:
+        return "vault"
+
     def missing(self) -> dict[str, str]:
         """``{stored_name: problem}`` for objects that are absent or of the wrong size."""
         out = {}

@@ -73,6 +73,10 @@ class ForeignCheckpoint(MemoryCheckpoint):
     def framework(self) -> str | None:
         return self.format
 
+    @property
+    def container(self) -> str:
+        return self.format
+
     def close(self) -> None:
         # Views handed out keep the map alive; it then goes when the last of them does.
         for view in self._data.values():
