@@ -85,3 +85,14 @@ def test_help_teaches_with_examples_and_exit_codes(capsys):
     assert run("--help")[0] == 0
     text = capsys.readouterr().out
     assert "exit codes:" in text and "weightvault inspect model.safetensors" in text
+
+
+def test_inspect_names_a_foreign_format(tmp_path):
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "arrays.npz"
+    a = np.arange(6, dtype=np.float32)
+    np.savez(path, a=a, b=a.copy())
+    code, out = run("inspect", str(path))
+    assert code == 0
+    assert out.startswith(f"{path}: npz file, read without its framework, 2 names, 1 stored")
+    assert "copy of a" in out
