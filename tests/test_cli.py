@@ -94,5 +94,5 @@ def test_inspect_names_a_foreign_format(tmp_path):
     np.savez(path, a=a, b=a.copy())
     code, out = run("inspect", str(path))
     assert code == 0
-    assert out.startswith(f"{path}: npz file, read without its framework, 2 names, 1 stored")
+    assert out.startswith(f"{path}: numpy file, read without its framework, 2 names, 1 stored")
     assert "copy of a" in out

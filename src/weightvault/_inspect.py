@@ -44,7 +44,7 @@ class Inspection:
         tensors: A :class:`TensorRecord` per name.
         shared_storage: Bytes of each stored region that only views read (no model name).
         container: ``"safetensors"``, ``"vault"``, or the foreign format read
-            (``"mxnet"``, ``"torch"``, ``"hdf5"``, ``"npz"``, ...).
+            (``"mxnet"``, ``"torch"``, ``"numpy"``, ...).
     """
 
     path: str
