@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ._atomic import atomic_file, fsync_dir, write_all
 from ._errors import BackendNotInstalled
 
 
@@ -85,34 +85,11 @@ class LocalStore(Store):
 
     def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
         path = self._path(key)
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=folder)
-        try:
-            view = memoryview(data).cast("B")
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.chmod(tmp, 0o644)
-            if exclusive:
-                # link() fails if the name exists: an atomic "create if absent".
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    return False
-                finally:
-                    os.unlink(tmp)
-            else:
-                os.replace(tmp, path)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        return True
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # The vault syncs the folders of a commit once (see sync), not per object.
+        with atomic_file(path, exclusive=exclusive, sync_dir=False) as out:
+            write_all(out.fd, data)
+        return out.created
 
     def get(self, key: str) -> bytes:
         with open(self._path(key), "rb") as f:
@@ -154,14 +131,7 @@ class LocalStore(Store):
 
     def sync(self, keys: Iterable[str]) -> None:
         for folder in {os.path.dirname(self._path(k)) for k in keys}:
-            try:
-                fd = os.open(folder, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(folder)
 
 
 class FsspecStore(Store):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
+from ._atomic import atomic_file, write_all as _write_all
 from ._dtypes import ITEMSIZE
 from ._header import TensorInfo, encode_header
 from ._manifest import CHECKSUM_WIDTH, MANIFEST_KEY, Manifest
@@ -66,10 +65,8 @@ def write(
     align = PAGE if sum(i.nbytes for i in infos) >= BIG else 8
     header = encode_header(infos, header_meta, align=align)
 
-    target = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
-    try:
+    with atomic_file(os.fspath(path)) as out:
+        fd = out.fd
         # The header goes in last, once the checksums are known; data starts after it.
         os.lseek(fd, len(header), os.SEEK_SET)
         # xxhash and os.write both release the GIL, so a helper thread hashes each tensor
@@ -87,18 +84,6 @@ def write(
         # Same length by construction: placeholders and digests are both 16 hex digits.
         assert len(final) == len(header)
         os.pwrite(fd, final, 0)
-        os.fchmod(fd, 0o644 & ~_umask())
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, target)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(folder)
     return len(header) + sum(info.nbytes for info in infos)
 
 
@@ -119,33 +104,6 @@ def _header_metadata(plan: Plan, framework: str | None, manifest: Manifest) -> d
             meta[alias] = target
     meta[MANIFEST_KEY] = manifest.encode()
     return meta
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view.nbytes:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(folder: str) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def save_sources(
