@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import struct
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -166,3 +168,24 @@ def strided(
     )
     out: memoryview = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
     return out
+
+
+def stored_zip_member(
+    info: zipfile.ZipInfo, buf: memoryview, where: str, what: str, fix: str = ""
+) -> memoryview:
+    """The bytes of an uncompressed zip member, as a slice of the mapped file ``buf``.
+
+    The local header is read from ``buf`` itself and every offset checked, so a crafted
+    archive can point nowhere outside the file. ``what`` names the member in messages,
+    which end with ``fix`` when one is given.
+    """
+    tail = f"; {fix}" if fix else ""
+    at = info.header_offset
+    header = bytes(buf[at : at + 30])
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise FormatError(f"{where}: {what} has no zip local header{tail}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = at + 30 + name_len + extra_len
+    if start + info.file_size > buf.nbytes:
+        raise FormatError(f"{where}: {what} runs past the end of the file{tail}")
+    return buf[start : start + info.file_size]

@@ -22,7 +22,15 @@ from typing import Any
 from .._dtypes import ITEMSIZE, numel
 from .._errors import FormatError
 from .._plan import Source
-from ._common import ForeignCheckpoint, build, check_shape, map_file, need, plain
+from ._common import (
+    ForeignCheckpoint,
+    build,
+    check_shape,
+    map_file,
+    need,
+    plain,
+    stored_zip_member,
+)
 
 #: ``.npy`` dtype descriptors (without the byte-order mark) -> safetensors dtype names.
 DESCRS = {
@@ -101,15 +109,7 @@ def _member(
     z: zipfile.ZipFile, info: zipfile.ZipInfo, buf: memoryview, where: str, name: str
 ) -> memoryview:
     if info.compress_type == zipfile.ZIP_STORED:
-        at = info.header_offset
-        header = bytes(buf[at : at + 30])
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise FormatError(f"{where}: array {name!r} has no zip local header; {FIX}")
-        n, extra = struct.unpack("<HH", header[26:30])
-        start = at + 30 + n + extra
-        if start + info.file_size > buf.nbytes:
-            raise FormatError(f"{where}: array {name!r} runs past the end of the file; {FIX}")
-        return buf[start : start + info.file_size]
+        return stored_zip_member(info, buf, where, f"array {name!r}", FIX)
     # np.savez_compressed: inflate, but only as much as the archive can honestly hold.
     if info.file_size > MAX_DEFLATE_RATIO * max(info.compress_size, 1) + (1 << 20):
         raise FormatError(

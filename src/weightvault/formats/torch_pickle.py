@@ -27,7 +27,6 @@ import os
 import pickle
 import pickletools
 import re
-import struct
 import zipfile
 from collections.abc import Hashable
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 from .._dtypes import ITEMSIZE, numel
 from .._errors import FormatError, capped
 from .._plan import Source
-from ._common import ForeignCheckpoint, build, map_file, strided
+from ._common import ForeignCheckpoint, build, map_file, stored_zip_member, strided
 
 #: Typed storage classes -> the dtype of their elements.
 STORAGES = {
@@ -519,15 +518,7 @@ def _stored_data(
             f"{where}: storage {info.filename!r} is compressed, which torch.save never "
             "does; the file was repacked, so load it with torch and save it again"
         )
-    at = info.header_offset
-    header = bytes(buf[at : at + 30])
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
-        raise FormatError(f"{where}: zip entry {info.filename!r} has no local header")
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    start = at + 30 + name_len + extra_len
-    if start + info.file_size > buf.nbytes:
-        raise FormatError(f"{where}: zip entry {info.filename!r} runs past the end of the file")
-    return buf[start : start + info.file_size]
+    return stored_zip_member(info, buf, where, f"zip entry {info.filename!r}")
 
 
 def _unpickle_zip(where: str, buf: memoryview) -> Any:
