@@ -204,7 +204,7 @@ class VaultCheckpoint(Checkpoint):
 
     def read_into(self, stored: str, buffer: memoryview) -> bool:
         path = self.store.local_path(_object_key(self.objects[stored]))
-        if path is None or stored in self._cache or buffer.nbytes != self.stored[stored].nbytes:
+        if path is None or buffer.nbytes != self.stored[stored].nbytes:
             return False
         try:
             fd = os.open(path, os.O_RDONLY)
