@@ -550,7 +550,8 @@ class Vault:
         return deleted
 
     def gc(self) -> int:
-        """Delete objects no checkpoint or in-flight save references; return bytes freed.
+        """Delete objects no checkpoint or in-flight save references; return the object
+        bytes freed (stale bookkeeping files are removed too, uncounted).
 
         Raises:
             FormatError: A checkpoint record is unreadable, so gc cannot know which objects
@@ -602,11 +603,14 @@ class Vault:
                     self.store.delete(blob.key)
                     freed += blob.size
                     beat()
-            # Temporary files of writers that died long ago, anywhere in the vault.
+            # Temporary files of writers that died long ago, anywhere in the vault. Like
+            # stale intents, bookkeeping files are removed without counting: what gc
+            # reports is tensor data freed, that is, bytes under objects/.
             for blob in self.store.list(""):
                 if _is_temp(blob.key) and now - blob.mtime > STALE_SECONDS:
                     self.store.delete(blob.key)
-                    freed += blob.size
+                    if blob.key.startswith("objects/"):
+                        freed += blob.size
             return freed
         finally:
             self.store.delete(marker)
