@@ -12,6 +12,7 @@ def test_all_is_pinned():
     assert weightvault.__all__ == [
         "BackendNotInstalled",
         "CheckpointExistsError",
+        "CheckpointNameError",
         "CheckpointNotFoundError",
         "CheckpointRecord",
         "ChecksumError",
@@ -65,6 +66,7 @@ def test_errors_subclass_the_base_and_the_builtin():
         e.ShapeMismatchError,
         e.TieConflictError,
         e.RuleError,
+        e.CheckpointNameError,
     ):
         assert issubclass(cls, e.WeightvaultError) and issubclass(cls, ValueError)
     assert issubclass(e.BackendNotInstalled, ImportError)

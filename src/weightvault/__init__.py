@@ -20,6 +20,7 @@ from ._convert import convert
 from ._errors import (
     BackendNotInstalled,
     CheckpointExistsError,
+    CheckpointNameError,
     CheckpointNotFoundError,
     ChecksumError,
     FormatError,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendNotInstalled",
     "CheckpointExistsError",
+    "CheckpointNameError",
     "CheckpointNotFoundError",
     "CheckpointRecord",
     "ChecksumError",

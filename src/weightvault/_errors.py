@@ -12,6 +12,7 @@ catch, so ``except ValueError`` keeps working for code that does not know us::
       RuleError            (ValueError)   a rename rule or pattern is malformed or unusable
       CheckpointExistsError    (FileExistsError)  a vault checkpoint name is taken
       CheckpointNotFoundError  (LookupError)      no vault checkpoint has that name
+      CheckpointNameError      (ValueError)       a string is not a valid checkpoint name
       BackendNotInstalled  (ImportError)  the framework extra is missing
 
 Messages name the file and the tensor, show capped evidence and suggest one fix.
@@ -24,6 +25,7 @@ from collections.abc import Iterable, Sequence
 __all__ = [
     "BackendNotInstalled",
     "CheckpointExistsError",
+    "CheckpointNameError",
     "CheckpointNotFoundError",
     "ChecksumError",
     "FormatError",
@@ -127,6 +129,10 @@ class CheckpointExistsError(WeightvaultError, FileExistsError):
 
 class CheckpointNotFoundError(WeightvaultError, LookupError):
     """No vault checkpoint has that name."""
+
+
+class CheckpointNameError(WeightvaultError, ValueError):
+    """A string is not a valid vault checkpoint name (it could reach outside the vault)."""
 
 
 class BackendNotInstalled(WeightvaultError, ImportError):

@@ -59,6 +59,14 @@ class Store:
     def delete(self, key: str) -> None:
         raise NotImplementedError
 
+    def rename(self, src: str, dst: str) -> bool:
+        """Move ``src`` to ``dst``, replacing it; False if ``src`` is gone.
+
+        Only content-addressed keys are moved (gc's trash), so a replaced ``dst`` always
+        held the same bytes.
+        """
+        raise NotImplementedError
+
     def sync(self, keys: Iterable[str]) -> None:
         """Make the directory entries of ``keys`` durable (local stores only)."""
 
@@ -78,7 +86,7 @@ class LocalStore(Store):
         os.makedirs(self.root, exist_ok=True)
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *key.split("/"))
+        return os.path.join(self.root, *check_key(key).split("/"))
 
     def local_path(self, key: str) -> str | None:
         return self._path(key)
@@ -129,6 +137,15 @@ class LocalStore(Store):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
 
+    def rename(self, src: str, dst: str) -> bool:
+        target = self._path(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.replace(self._path(src), target)
+        except FileNotFoundError:
+            return False
+        return True
+
     def sync(self, keys: Iterable[str]) -> None:
         for folder in {os.path.dirname(self._path(k)) for k in keys}:
             fsync_dir(folder)
@@ -149,7 +166,7 @@ class FsspecStore(Store):
         self.root = self.root.rstrip("/")
 
     def _path(self, key: str) -> str:
-        return f"{self.root}/{key}"
+        return f"{self.root}/{check_key(key)}"
 
     def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
         payload = bytes(data) if isinstance(data, memoryview) else data
@@ -202,6 +219,31 @@ class FsspecStore(Store):
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(key))
+
+    def rename(self, src: str, dst: str) -> bool:
+        # Object stores have no rename: copy, then delete. In between both keys hold the
+        # same bytes, which is all gc's trash protocol needs (see _vault.Vault.gc).
+        try:
+            self.fs.copy(self._path(src), self._path(dst))
+        except FileNotFoundError:
+            return False
+        self.delete(src)
+        return True
+
+
+def check_key(key: str) -> str:
+    """``key`` itself, if every ``/``-separated part is a plain name inside the root.
+
+    The vault builds keys from validated names and hex digests only; this is the last
+    guard that no key ever reaches outside the vault's root (``..``, ``/``, ``\\``, NUL).
+
+    Raises:
+        ValueError: A part is empty, ``.`` or ``..``, or holds a NUL or backslash.
+    """
+    parts = key.split("/")
+    if key and any(p in ("", ".", "..") or "\x00" in p or "\\" in p for p in parts):
+        raise ValueError(f"refusing vault key {key!r}: it would leave the vault's root")
+    return key
 
 
 def open_store(root: str | os.PathLike[str], **storage_options: Any) -> Store:

@@ -7,26 +7,38 @@ Layout under the root (a folder, or any fsspec URL such as ``s3://bucket/run1``)
     checkpoints/<name>.json       a committed checkpoint: the safetensors header it would
                                   have as a single file, plus the object of each stored tensor
     intents/<id>.json             objects an in-flight save is about to reference
-    gc/<id>.json                  a gc in progress
+    gc/<id>.json                  a gc in progress (its heartbeat: pid, host, time)
+    trash/<id>/<h>                objects gc <id> took out of objects/ and may still put back
 
 **Commit protocol.** A save hashes its tensors, registers an intent naming their objects,
 waits while a gc is running, writes only the objects that are missing (each durable before
 the next step), then creates ``checkpoints/<name>.json`` exclusively: that single create is
 the commit. A save killed at any moment leaves at most unreferenced objects, which gc frees.
 
-**gc safety.** gc first announces itself, then reads every checkpoint and every intent,
-and deletes only objects that none of them names. A save that registered its intent before
-gc read the intents is protected by it; a save that registers later sees gc's marker and
-waits, so it never reuses an object gc is about to delete.
+**gc safety.** gc never deletes a key a save may have just decided to reuse. It first
+picks candidates (objects no intent or checkpoint names), then *moves* each one into its
+trash, then reads every intent and checkpoint again: objects someone now names go back,
+only the rest are deleted, from the trash. A save checks an object after its intent is
+visible; if that check came before the move, the intent (or the checkpoint it became) is
+visible to the re-read, which puts the object back; if it came after, the save found the
+object missing and wrote it again. However long gc stalls at any point, no checkpoint
+loses an object. Reads find an object in a gc's trash while it sits there, and the trash
+of a gc that died is put back by the next gc or by :meth:`Vault.break_gc_lock`. The
+marker gc keeps fresh (a heartbeat) only makes saves wait, to avoid churn; it is not what
+keeps objects safe.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import json
+import logging
+import math
 import os
 import re
+import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -38,6 +50,7 @@ import xxhash
 
 from ._errors import (
     CheckpointExistsError,
+    CheckpointNameError,
     CheckpointNotFoundError,
     FormatError,
     WeightvaultError,
@@ -48,7 +61,7 @@ from ._manifest import MANIFEST_KEY, read_manifest
 from ._plan import Plan, Stored, plan
 from ._reader import Checkpoint, read_fully
 from ._reports import LoadReport
-from ._store import Store, open_store
+from ._store import Blob, Store, open_store
 from ._writer import layout, write
 
 FORMAT = "weightvault-vault"
@@ -56,10 +69,18 @@ VERSION = 1
 #: An intent or temporary file older than this belongs to a process that died.
 STALE_SECONDS = 3600.0
 #: A running gc rewrites its marker this often; one not rewritten for GC_STALE_SECONDS
-#: belongs to a gc that died, and saves stop waiting for it.
+#: belongs to a gc that died or stalls, and saves stop waiting for it. Neither number
+#: matters for safety (see the module docstring), only for how long a save may wait.
 GC_HEARTBEAT_SECONDS = 10.0
 GC_STALE_SECONDS = 60.0
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+#: The largest count a record may hold (byte counts, tensor counts).
+_MAX_COUNT = 2**63 - 1
+#: Record times must lie between the epoch and the end of year 9999 (what dates can show).
+_MAX_TIME = 253402128000.0
+
+log = logging.getLogger("weightvault")
 
 Progress = Callable[[int], None]
 
@@ -69,6 +90,33 @@ def content_hash(data: memoryview | bytes) -> str:
     view = memoryview(data).cast("B")
     threads = blake3.blake3.AUTO if view.nbytes >= 1 << 22 else 1
     return blake3.blake3(view, max_threads=threads).hexdigest()
+
+
+def check_name(name: object, where: str, *, latest: bool = False) -> str:
+    """``name`` itself if it may name a checkpoint; the one check every entry point uses.
+
+    A name becomes a key under ``checkpoints/`` (and ``deleted/``), so anything that could
+    reach outside the vault (``..``, ``/``, a trailing newline) is refused here.
+
+    Args:
+        name: What the caller passed.
+        where: The vault, for the message.
+        latest: Also accept ``"latest"`` (reads resolve it to the newest checkpoint).
+
+    Raises:
+        CheckpointNameError: ``name`` is not 1 to 128 ASCII letters, digits, ``.``, ``_``
+            and ``-`` starting with a letter or digit, or is ``latest`` where not allowed.
+    """
+    if isinstance(name, str) and (
+        (latest and name == "latest") or (name != "latest" and _NAME.fullmatch(name))
+    ):
+        return name
+    shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+    raise CheckpointNameError(
+        f"{where}: checkpoint name {shown} is not allowed; use 1 to 128 letters, digits, "
+        "'.', '_' and '-', starting with a letter or digit"
+        + ("" if latest else " (and not 'latest')")
+    )
 
 
 def _is_temp(key: str) -> bool:
@@ -87,8 +135,38 @@ class _Heartbeat:
     def __call__(self) -> None:
         now = time.time()
         if now - self.last >= GC_HEARTBEAT_SECONDS:
-            self.store.put(self.key, json.dumps({"created": now}).encode())
+            pid = os.getpid()
+            owner = {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
+            self.store.put(self.key, json.dumps({"created": now, **owner}).encode())
             self.last = now
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Field 22, counted after the command name, which may itself hold spaces.
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _owner_gone(doc: object) -> bool:
+    """Whether a marker's process has provably exited (same host, pid gone or reused)."""
+    if not isinstance(doc, dict) or doc.get("host") != socket.gethostname():
+        return False  # another machine's gc: only its heartbeat can tell
+    pid = doc.get("pid")
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, owned by someone else
+    started = doc.get("started")
+    now_started = _started(pid)
+    return type(started) is int and now_started is not None and now_started != started
 
 
 def _object_key(digest: str) -> str:
@@ -138,11 +216,19 @@ class VaultCheckpoint(Checkpoint):
         objects = doc.get("objects")
         if not isinstance(header_text, str) or not isinstance(objects, dict):
             raise FormatError(f"{where}: checkpoint record lacks its header or objects")
-        raw = header_text.encode("utf-8")
-        header = parse_header(raw, 8 + len(raw) + _data_size(raw, where), where)
-        manifest = read_manifest(header.metadata, header.tensors, where)
+        try:
+            raw = header_text.encode("utf-8")
+            header = parse_header(raw, 8 + len(raw) + _data_size(raw, where), where)
+            manifest = read_manifest(header.metadata, header.tensors, where)
+        except FormatError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                RecursionError, MemoryError) as e:  # fmt: skip
+            # A record is input like any file: whatever the header parser trips over is
+            # damage to report, never a crash of verify() or the CLI.
+            raise FormatError(f"{where}: checkpoint header is malformed ({e!r:.100})") from e
         if set(objects) != set(header.tensors) or not all(
-            isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in objects.values()
+            isinstance(h, str) and _DIGEST.fullmatch(h) for h in objects.values()
         ):
             raise FormatError(f"{where}: objects do not match the stored tensors")
         self.store = store
@@ -163,7 +249,11 @@ class VaultCheckpoint(Checkpoint):
         """``{stored_name: problem}`` for objects that are absent or of the wrong size."""
         out = {}
         for name, info in self.stored.items():
-            size = self.store.size(_object_key(self.objects[name]))
+            key = _object_key(self.objects[name])
+            size = self.store.size(key)
+            if size is None:
+                found = _in_trash(self.store, self.objects[name])
+                size = None if found is None else self.store.size(found)
             if size is None:
                 out[name] = "object missing"
             elif size != info.nbytes:
@@ -175,24 +265,35 @@ class VaultCheckpoint(Checkpoint):
         keys = {_object_key(h): n for n, h in self.objects.items() if n not in self._cache}
         try:
             got = self.store.get_many(list(keys))
-        except FileNotFoundError as e:
-            lost = [n for k, n in keys.items() if str(e).endswith(k)] or list(keys.values())
-            raise FormatError(
-                f"{self.path}: tensor {lost[0]!r}: its object is missing; the vault is "
-                "damaged, run 'weightvault vault ROOT verify'"
-            ) from e
+        except FileNotFoundError:
+            # Some object is not in objects/: it may sit in a running gc's trash. Fetch
+            # one by one so each is looked for there (raw() names the tensor if not).
+            got = {}
+            for name in keys.values():
+                self.raw(name)
         for key, data in got.items():
             self._cache[keys[key]] = memoryview(bytearray(data))
 
+    def _object(self, stored: str) -> memoryview:
+        digest = self.objects[stored]
+        # objects/ first; then a gc's trash, where a gc may hold it until it puts it back
+        # (see the module docstring); then objects/ again, in case it was put back meanwhile.
+        for key in (_object_key(digest), None, _object_key(digest)):
+            key = key or _in_trash(self.store, digest)
+            if key is None:
+                continue
+            try:
+                return self.store.view(key)
+            except FileNotFoundError:
+                continue
+        raise FormatError(
+            f"{self.path}: tensor {stored!r}: its object is missing; "
+            "the vault is damaged, run 'weightvault vault ROOT verify'"
+        )
+
     def raw(self, stored: str) -> memoryview:
         if stored not in self._cache:
-            try:
-                self._cache[stored] = self.store.view(_object_key(self.objects[stored]))
-            except FileNotFoundError:
-                raise FormatError(
-                    f"{self.path}: tensor {stored!r}: its object is missing; "
-                    "the vault is damaged, run 'weightvault vault ROOT verify'"
-                ) from None
+            self._cache[stored] = self._object(stored)
         view = self._cache[stored]
         expected = self.stored[stored].nbytes
         if view.nbytes != expected:
@@ -227,32 +328,84 @@ class VaultCheckpoint(Checkpoint):
         return content_hash(self.raw(stored)) == self.objects[stored]
 
 
+def _in_trash(store: Store, digest: str) -> str | None:
+    """The key of object ``digest`` in some gc's trash, or None."""
+    for blob in store.list("trash"):
+        if blob.key.rsplit("/", 1)[-1] == digest and not _is_temp(blob.key):
+            return blob.key
+    return None
+
+
 def _data_size(raw: bytes, where: str) -> int:
     # The header's own offsets say how big the data would be; parse_header then checks them.
     try:
         doc = json.loads(raw)
-        ends = [v["data_offsets"][1] for k, v in doc.items() if k != "__metadata__"]
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
-        raise FormatError(f"{where}: checkpoint header is malformed") from e
-    if not all(isinstance(e, int) and e >= 0 for e in ends):
-        raise FormatError(f"{where}: checkpoint header has bad offsets")
-    return max(ends, default=0)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: checkpoint header is not valid JSON") from e
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: checkpoint header is {type(doc).__name__}, not an object")
+    ends = [0]
+    for name, entry in doc.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int and 0 <= o <= _MAX_COUNT for o in offsets)
+        ):
+            raise FormatError(f"{where}: checkpoint header: tensor {name!r:.80} has bad offsets")
+        ends.append(offsets[1])
+    return max(ends)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRecord:
-    try:
-        return CheckpointRecord(
-            name=name,
-            created=float(doc["created"]),
-            logical_bytes=int(doc["logical_bytes"]),
-            stored_bytes=int(doc["stored_bytes"]),
-            new_bytes=int(doc["new_bytes"]),
-            metadata={str(k): str(v) for k, v in dict(doc.get("metadata", {})).items()},
-            framework=doc.get("framework"),
-            tensors=int(doc.get("tensors", 0)),
+    """The record's fields, each checked: a record is hostile input like any file."""
+
+    def field_(key: str, ok: Callable[[Any], bool], expected: str, default: Any = None) -> Any:
+        if key not in doc and default is not None:
+            return default
+        if key not in doc:
+            raise FormatError(
+                f"{where}: checkpoint record lacks {key!r}; restore the record or delete it"
+            )
+        value = doc[key]
+        if not ok(value):
+            raise FormatError(
+                f"{where}: checkpoint record field {key!r} is {_shown(value)}, expected "
+                f"{expected}; restore the record or delete it"
+            )
+        return value
+
+    def count(v: Any) -> bool:
+        return type(v) is int and 0 <= v <= _MAX_COUNT
+
+    def moment(v: Any) -> bool:
+        return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= _MAX_TIME
+
+    def strings(v: Any) -> bool:
+        return isinstance(v, dict) and all(
+            isinstance(k, str) and isinstance(x, str) for k, x in v.items()
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"{where}: checkpoint record is malformed ({e})") from e
+
+    n = "a byte count"
+    return CheckpointRecord(
+        name=name,
+        created=float(field_("created", moment, "seconds since 1970 before year 10000")),
+        logical_bytes=field_("logical_bytes", count, n),
+        stored_bytes=field_("stored_bytes", count, n),
+        new_bytes=field_("new_bytes", count, n),
+        metadata=dict(field_("metadata", strings, "an object of strings", {})),
+        framework=doc.get("framework")
+        if "framework" not in doc or doc["framework"] is None
+        else field_("framework", lambda v: isinstance(v, str), "a string or null"),
+        tensors=field_("tensors", count, "a count", 0),
+    )
 
 
 def _adapter(model: Any) -> Any:
@@ -335,9 +488,10 @@ class Vault:
 
         Raises:
             CheckpointExistsError: ``name`` is already taken.
+            CheckpointNameError: ``name`` is not a valid name (see :func:`check_name`).
         """
         if name is not None:
-            self._check_name(name)
+            check_name(name, self.url)
             if self.store.exists(f"checkpoints/{name}.json"):
                 raise CheckpointExistsError(
                     f"{self.url}: checkpoint {name!r} already exists; pick another name "
@@ -424,48 +578,128 @@ class Vault:
     def _next_name(self) -> str:
         # Deleted checkpoints leave a tombstone, so a number is never handed out twice.
         gone = [b.key.rsplit("/", 1)[-1].removesuffix(".json") for b in self.store.list("deleted")]
-        numbers = [int(n) for n in [*self._names(), *gone] if n.isdigit()]
+        # isascii: "²".isdigit() holds, but int("²") fails.
+        numbers = [int(n) for n in [*self._names(), *gone] if n.isascii() and n.isdigit()]
         return f"{max(numbers, default=0) + 1:06d}"
 
-    def _check_name(self, name: str) -> None:
-        if not _NAME.match(name) or name == "latest":
-            raise ValueError(
-                f"checkpoint name {name!r} is not allowed; use letters, digits, '.', '_' "
-                "and '-', starting with a letter or digit (and not 'latest')"
-            )
+    def _gc_markers(self) -> builtins.list[tuple[Blob, str | None]]:
+        """Each gc marker, with why its gc is dead (None: it may be running)."""
+        out: builtins.list[tuple[Blob, str | None]] = []
+        now = time.time()
+        for blob in self.store.list("gc"):
+            if _is_temp(blob.key):
+                continue
+            age = now - blob.mtime
+            if age >= GC_STALE_SECONDS:
+                out.append((blob, f"its heartbeat is {age:.0f} s old"))
+                continue
+            try:
+                doc = json.loads(self.store.get(blob.key))
+            except FileNotFoundError:
+                continue  # that gc just finished
+            except (ValueError, RecursionError, OSError):
+                doc = None  # a marker being rewritten, or damaged: only its age can tell
+            gone = _owner_gone(doc)
+            out.append((blob, "its process has exited" if gone else None))
+        return out
 
     def _wait_for_gc(self) -> None:
+        # Waiting is not what keeps objects safe (gc re-checks before it deletes anything);
+        # it only keeps a save from rewriting objects a running gc is about to free.
         deadline = time.monotonic() + self.gc_wait
         delay = 0.01
+        told = False
         while True:
-            now = time.time()
-            running = [
-                b
-                for b in self.store.list("gc")
-                if not _is_temp(b.key) and now - b.mtime < GC_STALE_SECONDS
-            ]
+            running = [b for b, dead in self._gc_markers() if dead is None]
             if not running:
                 return
+            if not told:
+                age = max(0.0, time.time() - running[0].mtime)
+                log.warning(
+                    "%s: waiting for the gc that holds %s (heartbeat %.0f s old): up to "
+                    "%.0f s, until its heartbeat is %.0f s old or gc_wait=%.0f s runs out. "
+                    "If that gc was killed on another machine, 'weightvault vault ROOT gc "
+                    "--break-lock' ends the wait once the heartbeat is stale",
+                    self.url,
+                    running[0].key,
+                    age,
+                    min(self.gc_wait, max(0.0, GC_STALE_SECONDS - age)),
+                    GC_STALE_SECONDS,
+                    self.gc_wait,
+                )
+                told = True
             if time.monotonic() > deadline:
                 raise WeightvaultError(
                     f"{self.url}: a gc has been running for over {self.gc_wait:.0f} s "
-                    f"({running[0].key}); retry later, or delete that marker if no gc runs"
+                    f"({running[0].key}); retry later, or run 'weightvault vault ROOT gc "
+                    "--break-lock' if that gc died"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    def break_gc_lock(self) -> builtins.list[str]:
+        """Remove the markers of gcs that died, after putting their trash back.
+
+        A gc's marker is dead when its heartbeat is older than the staleness window (a
+        minute), or at once when it was written on this machine by a process that has
+        exited. Objects such a gc had moved to its trash go back to ``objects/`` (the next
+        gc frees them if nothing needs them), so breaking a lock never loses data.
+
+        Returns:
+            The markers removed.
+
+        Raises:
+            WeightvaultError: A marker's gc may still be running; nothing was changed.
+        """
+        markers = self._gc_markers()
+        alive = [b for b, dead in markers if dead is None]
+        if alive:
+            age = time.time() - alive[0].mtime
+            raise WeightvaultError(
+                f"{self.url}: {alive[0].key}: a gc may still be running (heartbeat "
+                f"{age:.0f} s old, under {GC_STALE_SECONDS:.0f} s); nothing was changed. Wait "
+                "for it to finish, or stop that process and retry once its heartbeat is stale"
+            )
+        # No gc runs, so all trash is a dead gc's (even one whose marker was removed).
+        restored = self._untrash(lambda owner: True)
+        broken = []
+        for blob, why in markers:
+            self.store.delete(blob.key)
+            log.warning("%s: removed the marker %s of a dead gc (%s)", self.url, blob.key, why)
+            broken.append(blob.key)
+        if restored:
+            log.warning("%s: put %d objects back from dead gcs' trash", self.url, restored)
+        return broken
+
+    def _untrash(
+        self, whose: Callable[[str], bool], beat: Callable[[], None] = lambda: None
+    ) -> int:
+        """Move objects back from the trash of every gc ``whose(id)`` selects."""
+        restored = 0
+        for blob in self.store.list("trash"):
+            parts = blob.key.split("/")
+            if len(parts) != 3 or _is_temp(blob.key) or not _DIGEST.fullmatch(parts[2]):
+                continue
+            if whose(parts[1]) and self.store.rename(blob.key, _object_key(parts[2])):
+                restored += 1
+                beat()
+        return restored
 
     # -- reading -----------------------------------------------------------------------
 
     def _names(self) -> list[str]:
         out = []
         for b in self.store.list("checkpoints"):
-            base = b.key.rsplit("/", 1)[-1]
-            if base.endswith(".json") and not base.startswith("."):
-                out.append(base[: -len(".json")])
+            folder, _, base = b.key.rpartition("/")
+            name = base.removesuffix(".json")
+            # Files save() could not have made (nested, or a name check_name refuses) are
+            # not checkpoints: they are neither listed nor opened.
+            if folder == "checkpoints" and base.endswith(".json") and _NAME.fullmatch(name):
+                out.append(name)
         return out
 
     def _doc(self, name: str) -> dict[str, Any]:
-        key = f"checkpoints/{name}.json"
+        key = f"checkpoints/{check_name(name, self.url)}.json"
         try:
             raw = self.store.get(key)
         except FileNotFoundError:
@@ -473,11 +707,17 @@ class Vault:
             raise CheckpointNotFoundError(
                 f"{self.url}: no checkpoint named {name!r}; it has {capped(known) or 'none'}"
             ) from None
+        except IsADirectoryError:
+            raise FormatError(f"{self.url}/{key}: checkpoint record is a folder") from None
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as e:
             raise FormatError(f"{self.url}/{key}: checkpoint record is not valid JSON") from e
-        if not isinstance(doc, dict) or doc.get("version") != VERSION:
+        if (
+            not isinstance(doc, dict)
+            or type(doc.get("version")) is not int
+            or doc["version"] != VERSION
+        ):
             raise FormatError(f"{self.url}/{key}: unknown checkpoint record version")
         return doc
 
@@ -493,7 +733,7 @@ class Vault:
         return sorted(records, key=lambda r: (r.created, r.name))
 
     def _resolve(self, name: str) -> str:
-        if name != "latest":
+        if check_name(name, self.url, latest=True) != "latest":
             return name
         records = self.list()
         if not records:
@@ -523,8 +763,14 @@ class Vault:
         return report
 
     def delete(self, name: str) -> None:
-        """Remove checkpoint ``name``; its objects are freed by the next :meth:`gc`."""
-        self._doc(name)
+        """Remove checkpoint ``name``; its objects are freed by the next :meth:`gc`.
+
+        Raises:
+            CheckpointNameError: ``name`` is not a valid name (``latest`` is refused too).
+            CheckpointNotFoundError: No checkpoint has that name.
+        """
+        with contextlib.suppress(FormatError):  # a damaged record can still be removed
+            self._doc(name)
         if name.isdigit():
             self.store.put(f"deleted/{name}.json", json.dumps({"deleted": time.time()}).encode())
         self.store.delete(f"checkpoints/{name}.json")
@@ -553,56 +799,50 @@ class Vault:
         """Delete objects no checkpoint or in-flight save references; return the object
         bytes freed (stale bookkeeping files are removed too, uncounted).
 
+        gc takes its candidates out of ``objects/`` into its trash, re-reads every intent
+        and checkpoint, puts back whatever is now named, and deletes only the rest: a gc
+        stalled at any point never deletes an object a newer save relies on (the module
+        docstring gives the argument). It first puts back the trash of gcs that died.
+
         Raises:
-            FormatError: A checkpoint record is unreadable, so gc cannot know which objects
-                it needs; nothing is deleted. Fix or remove that record first.
+            FormatError: A checkpoint record or intent is unreadable, so gc cannot know
+                which objects it needs; every object is left in place. Fix or remove that
+                record first.
         """
-        marker = f"gc/{uuid.uuid4().hex}.json"
+        gc_id = uuid.uuid4().hex
+        marker = f"gc/{gc_id}.json"
         beat = _Heartbeat(self.store, marker)
+        moved: builtins.list[tuple[Blob, str]] = []
         try:
-            objects = self.store.list("objects")
+            running = {
+                b.key.rsplit("/", 1)[-1].removesuffix(".json")
+                for b, why in self._gc_markers()
+                if why is None
+            }
+            # Trash whose gc has no live marker belongs to a gc that died: put it back, so
+            # its objects are judged afresh below.
+            self._untrash(lambda owner: owner != gc_id and owner not in running, beat)
+            objects = [b for b in self.store.list("objects") if not _is_temp(b.key)]
             now = time.time()
-            live: set[str] = set()
-            # Intents before checkpoints: a save that commits and drops its intent between
-            # the two reads is then still seen, as a checkpoint.
-            for blob in self.store.list("intents"):
-                if _is_temp(blob.key):
-                    continue  # an intent still being written; its save then waits for us
-                if now - blob.mtime > STALE_SECONDS:
-                    self.store.delete(blob.key)
-                    continue
-                try:
-                    doc = json.loads(self.store.get(blob.key))
-                    live |= {str(h) for h in doc["objects"]}
-                except FileNotFoundError:
-                    continue  # its save finished; its checkpoint is read below
-                except (ValueError, KeyError, TypeError) as e:
-                    raise FormatError(
-                        f"{self.url}/{blob.key}: unreadable intent; gc deleted nothing. It "
-                        "expires after an hour, or delete it if no save is running"
-                    ) from e
-                beat()
-            for name in self._names():
-                try:
-                    ckpt = VaultCheckpoint(self.store, name, self._doc(name))
-                except CheckpointNotFoundError:
-                    continue
-                except FormatError as e:
-                    raise FormatError(
-                        f"{e}; gc deleted nothing, since it cannot tell which objects that "
-                        f"checkpoint needs. Remove it with vault.delete({name!r}) or restore it"
-                    ) from e
-                live |= set(ckpt.objects.values())
-                beat()
-            freed = 0
+            live = self._live(beat, expire_before=now - STALE_SECONDS)
             for blob in objects:
-                base = blob.key.rsplit("/", 1)[-1]
-                if _is_temp(blob.key):
-                    continue
-                if base not in live:
-                    self.store.delete(blob.key)
-                    freed += blob.size
+                digest = blob.key.rsplit("/", 1)[-1]
+                if digest not in live and self.store.rename(blob.key, f"trash/{gc_id}/{digest}"):
+                    moved.append((blob, digest))
                     beat()
+            # The decision: anything named now, after the move, goes back. A save that saw
+            # one of these objects before it moved registered its intent before that, so it
+            # (or the checkpoint it committed) is visible here.
+            live = self._live(beat, expire_before=None)
+            freed = 0
+            while moved:
+                blob, digest = moved.pop()
+                if digest in live:
+                    self.store.rename(f"trash/{gc_id}/{digest}", blob.key)
+                else:
+                    self.store.delete(f"trash/{gc_id}/{digest}")
+                    freed += blob.size
+                beat()
             # Temporary files of writers that died long ago, anywhere in the vault. Like
             # stale intents, bookkeeping files are removed without counting: what gc
             # reports is tensor data freed, that is, bytes under objects/.
@@ -613,12 +853,53 @@ class Vault:
                         freed += blob.size
             return freed
         finally:
+            # On any error, whatever is still in the trash goes back before gc stops.
+            for blob, digest in moved:
+                self.store.rename(f"trash/{gc_id}/{digest}", blob.key)
             self.store.delete(marker)
+
+    def _live(self, beat: Callable[[], None], *, expire_before: float | None) -> set[str]:
+        """Every object an intent or a checkpoint names; removes intents older than
+        ``expire_before`` (their saves died)."""
+        live: set[str] = set()
+        # Intents before checkpoints: a save that commits and drops its intent between
+        # the two reads is then still seen, as a checkpoint.
+        for blob in self.store.list("intents"):
+            if _is_temp(blob.key):
+                continue  # an intent still being written; its save has not looked yet
+            if expire_before is not None and blob.mtime < expire_before:
+                self.store.delete(blob.key)
+                continue
+            try:
+                doc = json.loads(self.store.get(blob.key))
+                live |= {str(h) for h in doc["objects"]}
+            except FileNotFoundError:
+                continue  # its save finished; its checkpoint is read below
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
+                raise FormatError(
+                    f"{self.url}/{blob.key}: unreadable intent; gc deleted nothing. It "
+                    "expires after an hour, or delete it if no save is running"
+                ) from e
+            beat()
+        for name in self._names():
+            try:
+                ckpt = VaultCheckpoint(self.store, name, self._doc(name))
+            except CheckpointNotFoundError:
+                continue
+            except FormatError as e:
+                raise FormatError(
+                    f"{e}; gc deleted nothing, since it cannot tell which objects that "
+                    f"checkpoint needs. Remove it with vault.delete({name!r}) or restore it"
+                ) from e
+            live |= set(ckpt.objects.values())
+            beat()
+        return live
 
     def verify(self, *, progress: Progress | None = None) -> VaultVerifyReport:
         """Check every checkpoint's record and every object's size and hash.
 
-        Each object is hashed once however many checkpoints share it.
+        Each object is hashed once however many checkpoints share it. Damage of any kind
+        (records, objects) is reported in ``problems``, never raised.
         """
         problems: builtins.list[str] = []
         verdict: dict[str, str | None] = {}
@@ -626,7 +907,7 @@ class Vault:
         for name in sorted(names):
             try:
                 ckpt = VaultCheckpoint(self.store, name, self._doc(name))
-            except (FormatError, CheckpointNotFoundError) as e:
+            except (FormatError, CheckpointNotFoundError, OSError) as e:
                 problems.append(f"{name}: record unreadable: {e}")
                 continue
             for stored, digest in ckpt.objects.items():
@@ -640,16 +921,25 @@ class Vault:
         return VaultVerifyReport(not problems, problems, len(names), len(verdict))
 
     def _check_object(self, ckpt: VaultCheckpoint, stored: str, digest: str) -> str | None:
-        key = _object_key(digest)
-        size = self.store.size(key)
         expected = ckpt.stored[stored].nbytes
-        if size is None:
-            return f"object {digest[:12]} is missing"
-        if size != expected:
-            return f"object {digest[:12]} holds {size} bytes, expected {expected} (truncated)"
-        if content_hash(self.store.view(key)) != digest:
-            return f"object {digest[:12]} is corrupt (hash mismatch)"
-        return None
+        for key in (_object_key(digest), _in_trash(self.store, digest), _object_key(digest)):
+            # An object in a gc's trash still counts: reads find it there, and that gc (or
+            # the next one) puts it back.
+            size = None if key is None else self.store.size(key)
+            if key is None or size is None:
+                continue
+            if size != expected:
+                return f"object {digest[:12]} holds {size} bytes, expected {expected} (truncated)"
+            try:
+                data = self.store.view(key)
+            except FileNotFoundError:
+                continue  # moved to or from a trash meanwhile
+            except OSError as e:
+                return f"object {digest[:12]} is unreadable ({e})"
+            if content_hash(data) != digest:
+                return f"object {digest[:12]} is corrupt (hash mismatch)"
+            return None
+        return f"object {digest[:12]} is missing"
 
     def export(self, name: str, path: str | os.PathLike[str]) -> int:
         """Write checkpoint ``name`` as a standalone file any safetensors reader opens."""
