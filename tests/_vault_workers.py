@@ -15,12 +15,18 @@ Commands:
     gc-loop ROOT GO_FILE STOP_FILE
         Waits for GO_FILE, then runs ``Vault.gc()`` until STOP_FILE exists, with short
         random pauses; prints ``gc RUNS FREED``.
+    gc-stop ROOT STALE WHEN
+        Runs one ``Vault.gc()`` with a gc staleness window of STALE seconds, and stops
+        itself with SIGSTOP just before (WHEN=before) or just after (WHEN=after) gc first
+        removes or moves a key under ``objects/``; prints ``stopping`` first, then
+        ``freed BYTES`` when gc returns (after a SIGCONT).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -135,6 +141,40 @@ def gc_loop(root: str, go_file: str, stop_file: str) -> None:
     print(f"gc {runs} {freed}", flush=True)
 
 
+def gc_stop(root: str, stale: float, when: str) -> None:
+    from weightvault import _vault
+
+    _vault.GC_STALE_SECONDS = stale
+    _vault.GC_HEARTBEAT_SECONDS = stale / 5
+    vault = weightvault.Vault(root)
+    store: Any = vault.store
+    stopped: list[bool] = []
+
+    def stop_once() -> None:
+        if not stopped:
+            stopped.append(True)
+            print("stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def hooked(real: Any) -> Any:
+        def call(key: str, *rest: Any) -> Any:
+            mine = key.startswith("objects/")
+            if mine and when == "before":
+                stop_once()
+            result = real(key, *rest)
+            if mine and when == "after":
+                stop_once()
+            return result
+
+        return call
+
+    store.delete = hooked(store.delete)
+    if hasattr(store, "rename"):  # where gc moves objects rather than deleting them
+        store.rename = hooked(store.rename)
+    freed = vault.gc()
+    print(f"freed {freed}", flush=True)
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     cmd, *args = argv
@@ -142,6 +182,7 @@ def main(argv: list[str]) -> None:
         "crash-server": lambda: crash_server(args[0], int(args[1])),
         "writer": lambda: writer(args[0], int(args[1]), int(args[2]), int(args[3]), args[4]),
         "gc-loop": lambda: gc_loop(args[0], args[1], args[2]),
+        "gc-stop": lambda: gc_stop(args[0], float(args[1]), args[2]),
     }
     commands[cmd]()
 

@@ -33,6 +33,7 @@ examples:
   weightvault vault runs/ft verify
   weightvault vault runs/ft export latest model.safetensors
   weightvault vault runs/ft rm 000001 && weightvault vault runs/ft gc
+  weightvault vault runs/ft gc --break-lock      # after a gc was killed
   weightvault vault runs/ft plot -o bytes.png
 """
 
@@ -110,12 +111,16 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
+    broken = vault.break_gc_lock() if args.break_lock else []
     before = vault.disk_bytes()
     freed = vault.gc()
     if args.json:
-        json.dump({"freed_bytes": freed, "disk_bytes": before - freed}, out)
+        doc = {"freed_bytes": freed, "disk_bytes": before - freed}
+        json.dump({**doc, "broken_locks": broken} if args.break_lock else doc, out)
         out.write("\n")
     else:
+        for key in broken:
+            out.write(f"removed {key}, the marker of a gc that died\n")
         out.write(f"freed {human(freed)}; vault now {human(before - freed)}\n")
     return EXIT_OK
 
@@ -208,7 +213,12 @@ def register(sub: Subparsers) -> None:
     p.add_argument("b")
     p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
     verb("verify", cmd_verify, "Check every record and every object's hash; exit 1 if damaged.")
-    verb("gc", cmd_gc, "Delete objects that no checkpoint references; print the bytes freed.")
+    p = verb("gc", cmd_gc, "Delete objects that no checkpoint references; print the bytes freed.")
+    p.add_argument(
+        "--break-lock",
+        action="store_true",
+        help="first remove the markers of gcs that died (refused while one may be running)",
+    )
     p = verb("export", cmd_export, "Write one checkpoint as a standalone safetensors file.")
     p.add_argument("name")
     p.add_argument("file")
