@@ -214,3 +214,25 @@ def test_a_missing_object_on_s3_is_named_on_load(bucket: str, options: dict[str,
     vault = _damaged(bucket, options, "delete")
     with pytest.raises(WeightvaultError, match=r"head\.weight"):
         vault.load(fresh(), "000002")
+
+
+def test_gc_trash_on_s3_is_read_then_put_back(bucket: str, options: dict[str, Any]) -> None:
+    """An object a dead gc left in its trash (S3 has no rename: copy, then delete) still
+    loads, and the next gc puts it back under objects/ instead of deleting it."""
+    vault = Vault(f"s3://{bucket}/run", **options)
+    model = build(1, width=64)
+    vault.save(model)
+    key = object_key(vault, "000001", "head.weight")
+    digest = key.rsplit("/", 1)[-1]
+    trash = f"{vault.store.root}/trash/deadgc/{digest}"  # type: ignore[attr-defined]
+    fs(options).mv(key, trash)
+
+    loaded = fresh()
+    Vault(f"s3://{bucket}/run", **options).load(loaded, "000001")
+    assert_bitwise(snapshot(loaded), snapshot(model))
+    assert vault.verify().ok
+    assert vault.gc() == 0
+    assert fs(options).exists(key) and not fs(options).exists(trash)
+    loaded = fresh()
+    vault.load(loaded, "000001")
+    assert_bitwise(snapshot(loaded), snapshot(model))

@@ -922,9 +922,10 @@ class Vault:
 
     def _check_object(self, ckpt: VaultCheckpoint, stored: str, digest: str) -> str | None:
         expected = ckpt.stored[stored].nbytes
-        for key in (_object_key(digest), _in_trash(self.store, digest), _object_key(digest)):
+        for where in (_object_key(digest), None, _object_key(digest)):
             # An object in a gc's trash still counts: reads find it there, and that gc (or
-            # the next one) puts it back.
+            # the next one) puts it back. The trash is listed only when objects/ lacks it.
+            key = where or _in_trash(self.store, digest)
             size = None if key is None else self.store.size(key)
             if key is None or size is None:
                 continue
