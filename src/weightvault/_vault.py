@@ -359,6 +359,9 @@ def _data_size(raw: bytes, where: str) -> int:
     return max(ends)
 
 
+_REQUIRED: Any = object()
+
+
 def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -367,8 +370,8 @@ def _shown(value: object) -> str:
 def _record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRecord:
     """The record's fields, each checked: a record is hostile input like any file."""
 
-    def field_(key: str, ok: Callable[[Any], bool], expected: str, default: Any = None) -> Any:
-        if key not in doc and default is not None:
+    def field_(key: str, ok: Callable[[Any], bool], expected: str, default: Any = _REQUIRED) -> Any:
+        if key not in doc and default is not _REQUIRED:
             return default
         if key not in doc:
             raise FormatError(
@@ -401,9 +404,7 @@ def _record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRecord:
         stored_bytes=field_("stored_bytes", count, n),
         new_bytes=field_("new_bytes", count, n),
         metadata=dict(field_("metadata", strings, "an object of strings", {})),
-        framework=doc.get("framework")
-        if "framework" not in doc or doc["framework"] is None
-        else field_("framework", lambda v: isinstance(v, str), "a string or null"),
+        framework=field_("framework", lambda v: v is None or isinstance(v, str), "a string", None),
         tensors=field_("tensors", count, "a count", 0),
     )
 
