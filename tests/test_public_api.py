@@ -20,10 +20,12 @@ def test_all_is_pinned():
         "Inspection",
         "KeyMismatchError",
         "LoadReport",
+        "ReservedNameError",
         "RuleError",
         "SaveReport",
         "ShapeMismatchError",
         "TieConflictError",
+        "UnsupportedValueError",
         "Vault",
         "VaultVerifyReport",
         "VerifyReport",
@@ -65,9 +67,11 @@ def test_errors_subclass_the_base_and_the_builtin():
         e.ShapeMismatchError,
         e.TieConflictError,
         e.RuleError,
+        e.ReservedNameError,
     ):
         assert issubclass(cls, e.WeightvaultError) and issubclass(cls, ValueError)
     assert issubclass(e.BackendNotInstalled, ImportError)
+    assert issubclass(e.UnsupportedValueError, TypeError)
     assert issubclass(e.ChecksumError, e.FormatError)
 
 
