@@ -270,7 +270,13 @@ def _numpy(value: Any, dtype: str) -> Any:
 
 def _bytes_of(value: Any, dtype: str) -> memoryview:
     raw = getattr(value, "value", value)  # a Variable's backend tensor
-    if type(raw).__module__.startswith("torch") and hasattr(raw, "untyped_storage"):
+    if (
+        type(raw).__module__.startswith("torch")
+        and hasattr(raw, "untyped_storage")
+        # Keras' torch backend holds some dtypes wider (uint16 and uint32 as int32): then
+        # the tensor's bytes are not the declared dtype's, and numpy converts them.
+        and raw.element_size() == NUMPY[dtype].itemsize
+    ):
         # KERAS_BACKEND=torch: hand out the tensor's own bytes; convert_to_numpy would
         # copy every variable (and widen bfloat16 to float32 and back).
         import torch
