@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
-import safetensors.torch  # noqa: E402
+st_torch = pytest.importorskip("safetensors.torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -116,12 +116,9 @@ def _trained_with_duplicated_block(key: str) -> Any:
     opt.step()
     # Block 1 becomes an exact copy of block 0: separate tensors, equal bytes.
     with torch.no_grad():
-        for dst, src in zip(
-            blocks(model)[1].state_dict().values(),
-            blocks(model)[0].state_dict().values(),
-            strict=True,
-        ):
-            dst.copy_(src)
+        first = blocks(model)[0].state_dict()
+        for name, dst in blocks(model)[1].state_dict().items():
+            dst.copy_(first[name])  # T5's block 0 alone holds the relative position bias
     return model.eval()
 
 
@@ -163,7 +160,7 @@ def test_plain_readers_see_the_whole_model(tmp_path: Path, key: str) -> None:
 
     # safetensors' own loader: no missing key, same values.
     fresh = MODELS[key]()[0]
-    missing, unexpected = safetensors.torch.load_model(fresh, str(folder / "model.safetensors"))
+    missing, unexpected = st_torch.load_model(fresh, str(folder / "model.safetensors"))
     assert missing == set() and unexpected == []
     assert torch.equal(_logits(fresh.eval(), key), expected)
 
@@ -182,8 +179,8 @@ def test_plain_readers_see_the_whole_model(tmp_path: Path, key: str) -> None:
     small = tmp_path / "small.safetensors"
     smaller = wv.save(model, small, dedupe_copies=True)
     assert smaller.stored_bytes == report.stored_bytes - report.dedupe_savings
-    missing, _ = safetensors.torch.load_model(MODELS[key]()[0], str(small), strict=False)
-    assert missing >= set(smaller.copies)
+    missing, _ = st_torch.load_model(MODELS[key]()[0], str(small), strict=False)
+    assert missing and missing <= set(smaller.copies)
 
 
 def test_vault_export_keeps_copies_for_plain_readers(tmp_path: Path) -> None:
@@ -194,7 +191,7 @@ def test_vault_export_keeps_copies_for_plain_readers(tmp_path: Path) -> None:
     assert vault.open("a").manifest.copies, "the vault stores copies once"
     vault.export("a", tmp_path / "full.safetensors")
     dst = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    missing, unexpected = safetensors.torch.load_model(dst, str(tmp_path / "full.safetensors"))
+    missing, unexpected = st_torch.load_model(dst, str(tmp_path / "full.safetensors"))
     assert missing == set() and unexpected == []
     assert torch.equal(dst[1].weight, src[0].weight)
     with safetensors.safe_open(str(tmp_path / "full.safetensors"), "pt") as f:
@@ -381,7 +378,7 @@ def test_auto_refuses_vit_legacy_names_instead_of_pairing_by_order(tmp_path: Pat
     model.save_pretrained(folder)
     path = folder / "model.safetensors"
     with safetensors.safe_open(str(path), "pt") as f:
-        assert "vit.encoder.layer.0.attention.attention.key.weight" in f.keys()
+        assert "vit.encoder.layer.0.attention.attention.key.weight" in list(f.keys())
     fresh, _ = _vit()
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(weightvault.RuleError, match=r"q_proj.*attention\.attention"):
@@ -456,5 +453,5 @@ def test_deepcopy_model_default_file_reads_in_plain_safetensors(tmp_path: Path) 
     path = tmp_path / "st.safetensors"
     wv.save(model, path)
     fresh = nn.ModuleDict({"student": copy.deepcopy(student), "teacher": copy.deepcopy(student)})
-    missing, unexpected = safetensors.torch.load_model(fresh, str(path))
+    missing, unexpected = st_torch.load_model(fresh, str(path))
     assert missing == set() and unexpected == []

@@ -676,4 +676,3 @@ class Vault:
 
     def __repr__(self) -> str:
         return f"Vault({self.url!r})"
-
