@@ -14,6 +14,8 @@ import weightvault.numpy as wvn
 from weightvault import FormatError, RuleError
 from weightvault._cli import main
 
+safe_open = pytest.importorskip("safetensors").safe_open
+
 W = np.arange(16, dtype=np.float32).reshape(4, 4)
 
 
@@ -58,8 +60,18 @@ def sources(tmp_path: Path) -> dict[str, Path]:
 
 def test_every_format_converts_with_copies_stored_once(tmp_path: Path) -> None:
     for fmt, src in sources(tmp_path).items():
+        # By default the copy stays stored, so plain readers see it; inspect knows what
+        # deduping it would save.
+        kept = tmp_path / f"{fmt}-kept.safetensors"
+        report = weightvault.convert(src, kept)
+        assert report.copies == {} and len(report.duplicates) == 1, fmt
+        assert report.stored_bytes == W.nbytes + 16 + report.dedupe_savings, fmt
+        with safe_open(str(kept), framework="np") as f:
+            assert len(list(f.keys())) == 3, fmt
+        assert weightvault.inspect(kept).dedupe_savings == report.dedupe_savings > 0
+
         dst = tmp_path / f"{fmt}.safetensors"
-        report = weightvault.convert(src, dst)
+        report = weightvault.convert(src, dst, dedupe_copies=True)
         assert len(report.copies) == 1, fmt
         assert report.stored_bytes == W.nbytes + 16, fmt
         assert report.file_bytes == dst.stat().st_size
@@ -89,7 +101,7 @@ def test_rules_that_merge_names_are_refused(tmp_path: Path) -> None:
 def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     src = sources(tmp_path)["mxnet"]
     report = weightvault.convert(src, tmp_path / "o.safetensors", dry_run=True)
-    assert report.file_bytes == 0 and len(report.copies) == 1
+    assert report.file_bytes == 0 and len(report.duplicates) == 1
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -131,9 +143,15 @@ def test_cli_prints_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     dst = tmp_path / "o.safetensors"
     assert main(["convert", str(src), str(dst)]) == 0
     text = capsys.readouterr().out
-    assert "3 tensors" in text and "1 copies found" in text
+    assert "3 tensors" in text and "1 copies kept under their own names" in text
     assert f"bytes before {src.stat().st_size}" in text
     assert f"after {dst.stat().st_size}" in text
+    assert "--dedupe-copies would save" in text
+    kept = dst.stat().st_size
+    assert main(["convert", str(src), str(dst), "--dedupe-copies"]) == 0
+    text = capsys.readouterr().out
+    assert "1 copies stored once" in text and f"after {dst.stat().st_size}" in text
+    assert dst.stat().st_size < kept and weightvault.inspect(dst).copies
 
 
 def test_cli_rules_file_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -120,7 +120,7 @@ def test_truncated_npz_is_a_format_error(tmp_path: Path) -> None:
 def test_npz_converts_with_copies_stored_once(tmp_path: Path) -> None:
     w = np.ones((64, 64), np.float32)
     np.savez(tmp_path / "w.npz", a=w, b=w.copy(), c=w.copy())
-    report = weightvault.convert(tmp_path / "w.npz", tmp_path / "w.safetensors")
+    report = weightvault.convert(tmp_path / "w.npz", tmp_path / "w.safetensors", dedupe_copies=True)
     assert report.stored_bytes == w.nbytes and len(report.copies) == 2
     got = wvn.load_file(tmp_path / "w.safetensors")
     assert list(got) == ["a", "b", "c"] and all((v == 1).all() for v in got.values())

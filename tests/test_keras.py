@@ -252,7 +252,7 @@ def test_keras_weights_h5_through_the_reader_and_convert(tmp_path):
     convert = getattr(weightvault, "convert", None)
     if convert is None:
         pytest.skip("weightvault.convert is not there yet")
-    convert(h5, str(tmp_path / "s.safetensors"))
+    convert(h5, str(tmp_path / "s.safetensors"), dedupe_copies=True)
     info = weightvault.inspect(str(tmp_path / "s.safetensors"))
     # Keras' four copies of the kernel are stored once.
     assert os.path.getsize(tmp_path / "s.safetensors") < 1.1 * KERNEL * KERNEL * 4, info

@@ -19,7 +19,7 @@ def test_verbs_are_pinned() -> None:
 def test_save_stores_each_distinct_array_once(tmp_path: Path) -> None:
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
     arrays = {"w": w, "tied": w, "copy": np.ones(5), "copy2": np.ones(5), "row": w[1], "t": w.T}
-    report = wvn.save(arrays, tmp_path / "a.safetensors")
+    report = wvn.save(arrays, tmp_path / "a.safetensors", dedupe_copies=True)
     assert report.aliases == {"tied": "w"} and report.copies == {"copy2": "copy"}
     assert sorted(report.views) == ["row", "t"]
     assert report.stored_bytes == w.nbytes + 40

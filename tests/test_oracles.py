@@ -165,16 +165,17 @@ def test_metadata_alias_entries_cover_every_alias(tmp_path: Path) -> None:
     assert all(v in stored for k, v in meta.items() if k not in ("format", "weightvault"))
 
 
-def test_user_metadata_does_not_masquerade_as_aliases(tmp_path: Path) -> None:
-    # User metadata lives inside the manifest, so a value that happens to be a tensor
-    # name cannot be mistaken for an alias by a plain reader.
+def test_user_metadata_is_visible_and_not_taken_for_aliases(tmp_path: Path) -> None:
+    # safetensors users read their metadata with safe_open; weightvault reads ties from
+    # its manifest, so a value that happens to be a tensor name is not an alias.
     path = tmp_path / "meta.safetensors"
     wv.save({"w": torch.ones(2)}, path, metadata={"note": "w", "step": "10"})
     with safetensors.safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-    assert "note" not in meta and "step" not in meta
+    assert meta["note"] == "w" and meta["step"] == "10" and meta["format"] == "pt"
     assert weightvault.inspect(path).metadata == {"note": "w", "step": "10"}
     assert weightvault.inspect(path).aliases == {}
+    assert list(wv.load_file(path)) == ["w"]
 
 
 # --- safetensors files, read by weightvault -----------------------------------------------

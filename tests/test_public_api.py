@@ -21,10 +21,12 @@ def test_all_is_pinned():
         "Inspection",
         "KeyMismatchError",
         "LoadReport",
+        "ReservedNameError",
         "RuleError",
         "SaveReport",
         "ShapeMismatchError",
         "TieConflictError",
+        "UnsupportedValueError",
         "Vault",
         "VaultVerifyReport",
         "VerifyReport",
@@ -67,9 +69,11 @@ def test_errors_subclass_the_base_and_the_builtin():
         e.TieConflictError,
         e.RuleError,
         e.CheckpointNameError,
+        e.ReservedNameError,
     ):
         assert issubclass(cls, e.WeightvaultError) and issubclass(cls, ValueError)
     assert issubclass(e.BackendNotInstalled, ImportError)
+    assert issubclass(e.UnsupportedValueError, TypeError)
     assert issubclass(e.ChecksumError, e.FormatError)
 
 

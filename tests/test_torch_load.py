@@ -9,6 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+safetensors = pytest.importorskip("safetensors")
+st_torch = pytest.importorskip("safetensors.torch")
+
 import weightvault  # noqa: E402
 import weightvault.rules  # noqa: E402
 import weightvault.torch as wv  # noqa: E402
@@ -76,7 +79,7 @@ def test_model_tie_with_equal_values_on_disk_loads(tmp_path):
     with torch.no_grad():
         src.head.weight.copy_(src.emb.weight)
     path = tmp_path / "eq.safetensors"
-    report = wv.save(src, path)
+    report = wv.save(src, path, dedupe_copies=True)
     assert report.copies == {"head.weight": "emb.weight"}
     dst = Tied()
     assert wv.load(dst, path).loaded == ["emb.weight", "head.weight"]
@@ -100,7 +103,7 @@ def test_copies_load_as_separate_tensors(tmp_path):
     src = Pair()
     src.b = copy.deepcopy(src.a)
     path = tmp_path / "c.safetensors"
-    report = wv.save(src, path)
+    report = wv.save(src, path, dedupe_copies=True)
     assert report.copies == {"b.weight": "a.weight", "b.bias": "a.bias"}
     assert report.stored_bytes == (9 + 3) * 4
     dst = Pair()
@@ -111,12 +114,22 @@ def test_copies_load_as_separate_tensors(tmp_path):
     assert tensors["a.weight"].data_ptr() != tensors["b.weight"].data_ptr()
 
 
-def test_copies_can_be_kept_for_plain_readers(tmp_path):
+def test_copies_are_kept_for_plain_readers_by_default(tmp_path):
     src = Pair()
     src.b = copy.deepcopy(src.a)
     path = tmp_path / "c.safetensors"
-    report = wv.save(src, path, dedupe_copies=False)
+    report = wv.save(src, path)
     assert report.copies == {} and len(report.stored) == 4
+    assert report.duplicates == {"b.weight": "a.weight", "b.bias": "a.bias"}
+    info = weightvault.inspect(path)
+    assert info.duplicates == report.duplicates
+    assert info.dedupe_savings == report.dedupe_savings == (9 + 3) * 4
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    dst = Pair()
+    missing, unexpected = st_torch.load_model(dst, str(path))
+    assert missing == set() and unexpected == []
+    assert torch.equal(dst.b.weight, src.b.weight)
 
 
 def test_strict_false_reports_and_loads_what_matches(tmp_path):

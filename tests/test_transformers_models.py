@@ -377,12 +377,12 @@ def test_safetensors_save_model_of_gpt2_loads_with_weightvault(tmp_path: Path) -
 
 
 def test_untouched_model_copies_are_restored_and_optional(tmp_path: Path) -> None:
-    # Without noise, LayerNorm weights (ones) and biases (zeros) are equal copies: stored
-    # once, but each name gets its own tensor back, never a tie.
+    # Without noise, LayerNorm weights (ones) and biases (zeros) are equal copies: with
+    # dedupe_copies=True stored once, but each name gets its own tensor back, never a tie.
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(_gpt2()).eval()
     path = tmp_path / "model.safetensors"
-    report = wv.save(model, path)
+    report = wv.save(model, path, dedupe_copies=True)
     assert report.copies, "expected equal LayerNorm/bias tensors to be deduplicated"
     assert report.aliases == {"lm_head.weight": "transformer.wte.weight"}
 
@@ -391,12 +391,12 @@ def test_untouched_model_copies_are_restored_and_optional(tmp_path: Path) -> Non
     _assert_same_state(model, fresh)
     assert _tie_groups(fresh) == SPECS["gpt2"].ties
 
-    # With dedupe_copies=False a plain reader sees every copy by name, so transformers
-    # finds every key it needs.
+    # By default (dedupe_copies=False) a plain reader sees every copy by name, so
+    # transformers finds every key it needs.
     folder = tmp_path / "plain"
     model.config.save_pretrained(folder)
-    report = wv.save(model, folder / "model.safetensors", dedupe_copies=False)
-    assert report.copies == {}
+    report = wv.save(model, folder / "model.safetensors")
+    assert report.copies == {} and report.duplicates
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         folder, output_loading_info=True
     )

@@ -57,6 +57,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         doc = asdict(info)
         doc["bytes_saved"] = info.bytes_saved
+        doc["dedupe_savings"] = info.dedupe_savings
         json.dump(doc, out, indent=2)
         out.write("\n")
         return EXIT_OK
@@ -85,6 +86,8 @@ def print_inspection(info: Inspection, out: TextIO) -> None:
             rows.append([name, "U8", "", size, "storage shared by views"])
         else:
             flag = " (frozen)" if name in info.frozen else ""
+            if name in info.duplicates:
+                flag += f", equal to {info.duplicates[name]}"
             rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
         for other in members.get(name, []):
             o = info.tensors[other]
@@ -97,6 +100,11 @@ def print_inspection(info: Inspection, out: TextIO) -> None:
         f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
         f"{len(info.frozen)} frozen\n"
     )
+    if info.duplicates:
+        out.write(
+            f"{len(info.duplicates)} copies are stored under their own names for plain "
+            f"readers; dedupe_copies=True would save {_size(info.dedupe_savings)} more\n"
+        )
     if info.metadata:
         out.write(f"metadata: {json.dumps(info.metadata)}\n")
 

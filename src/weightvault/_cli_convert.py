@@ -15,8 +15,11 @@ from ._rules import Rule, check
 
 EPILOG = """\
 SRC may be an MXNet .params, a torch .pt/.pth/.bin, a Keras .weights.h5, a numpy .npz
-or a safetensors file; the format is recognised from its bytes. Copies are found by
-content and stored once; every name is kept.
+or a safetensors file; the format is recognised from its bytes. Every name is kept.
+Copies (separate tensors with equal bytes, such as a shared weight an MXNet or Keras
+file wrote once per layer) are found by content and written under every name, so plain
+safetensors readers see them all; --dedupe-copies stores each once instead, and only
+weightvault readers then restore the other names.
 
 --rules takes a JSON file holding a list of [pattern, replacement] pairs ('*' captures,
 null drops the name), or the name of a built-in rule set: MXNET_PREFIXES (strip arg:/aux:)
@@ -25,6 +28,7 @@ or GLUON_TO_TORCH (gamma/beta -> weight/bias, ...).
 examples:
   weightvault convert model-0000.params model.safetensors --rules MXNET_PREFIXES
   weightvault convert pytorch_model.bin model.safetensors --dry-run
+  weightvault convert shared_dense.params dense.safetensors --dedupe-copies
 """
 
 
@@ -51,7 +55,13 @@ def read_rules(spec: str) -> list[Rule]:
 def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     try:
         rules = read_rules(args.rules) if args.rules else []
-        report = convert(args.src, args.dst, rules=rules, dry_run=args.dry_run)
+        report = convert(
+            args.src,
+            args.dst,
+            rules=rules,
+            dry_run=args.dry_run,
+            dedupe_copies=args.dedupe_copies,
+        )
     except RuleError as e:
         sys.stderr.write(f"weightvault convert: {e}\n")
         return EXIT_USAGE
@@ -61,10 +71,13 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     names = len(report.stored) + len(report.aliases) + len(report.copies) + len(report.views)
     verb = "would write" if args.dry_run else "wrote"
     after = report.file_bytes if not args.dry_run else report.stored_bytes
+    if args.dedupe_copies:
+        copies = f"{len(report.copies)} copies stored once"
+    else:
+        copies = f"{len(report.duplicates)} copies kept under their own names"
     out.write(
         f"{args.src} -> {args.dst}: {verb} {names} tensors, {len(report.stored)} stored; "
-        f"{len(report.copies)} copies found, {len(report.aliases)} aliases, "
-        f"{len(report.views)} views"
+        f"{copies}, {len(report.aliases)} aliases, {len(report.views)} views"
         + (f", {len(report.skipped)} dropped by rules" if report.skipped else "")
         + "\n"
     )
@@ -73,6 +86,9 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         + (" of tensor data" if args.dry_run else "")
         + f"; deduplication saved {report.bytes_saved} ({_size(report.bytes_saved)})\n"
     )
+    if report.duplicates:
+        extra = report.dedupe_savings
+        out.write(f"--dedupe-copies would save {extra} ({_size(extra)}) more\n")
     return EXIT_OK
 
 
@@ -83,10 +99,16 @@ def register(sub: Subparsers) -> None:
         "convert",
         cmd_convert,
         "Convert an MXNet, torch, Keras, npz or safetensors checkpoint to a weightvault "
-        "file that stores every distinct tensor once.",
+        "file that stores every tied tensor once.",
         EPILOG,
     )
     p.add_argument("src", help="the checkpoint to convert (format recognised from its bytes)")
     p.add_argument("dst", help="the weightvault file to write")
     p.add_argument("--rules", metavar="FILE", help="JSON rename rules, or a built-in set name")
     p.add_argument("--dry-run", action="store_true", help="report only; write nothing")
+    p.add_argument(
+        "--dedupe-copies",
+        action="store_true",
+        help="store tensors with equal bytes once (plain safetensors readers then miss "
+        "the copies' names)",
+    )

@@ -4,8 +4,10 @@ The source is opened by bytes (MXNet ``.params``, torch ``.pt``/``.bin``, Keras
 ``.weights.h5``, ``.npz``, safetensors); its names, optionally renamed, become
 :class:`~weightvault._plan.Source` records and go through the same
 :func:`~weightvault._plan.plan` and :func:`~weightvault._writer.write` as a save. Ties
-and views the source records are kept, and copies are found by content, so a Gluon file
-saved with four copies of one layer is written with one.
+and views the source records are kept. Copies are found by content: stored under every
+name by default, so plain safetensors readers see them all, or stored once with
+``dedupe_copies=True``, so a Gluon file saved with four copies of one layer is written
+with one.
 """
 
 from __future__ import annotations
@@ -110,12 +112,15 @@ def convert(
     rules: _rules.Rules = (),
     dry_run: bool = False,
     checksum: bool = True,
+    dedupe_copies: bool = False,
 ) -> SaveReport:
     """Write ``src``, in any supported format, as a weightvault file at ``dst``.
 
     Every name is kept (renamed by ``rules``, or dropped by a ``None`` rule). Tensors the
-    source shares stay shared, and tensors with equal dtype, shape and bytes are stored
-    once and recorded as copies, so loading gives every name its own tensor again.
+    source shares stay shared. Tensors with equal dtype, shape and bytes (copies) are
+    written under every name, so plain safetensors readers see each one; with
+    ``dedupe_copies`` they are stored once and recorded as copies, and weightvault gives
+    every name its own tensor again on load.
 
     Args:
         src: The file to convert: MXNet ``.params``, torch ``.pt``/``.bin``, Keras
@@ -125,6 +130,8 @@ def convert(
             :data:`weightvault.rules.MXNET_PREFIXES`.
         dry_run: Plan only; nothing is written and ``file_bytes`` is 0.
         checksum: Record an xxh3-64 checksum of every stored tensor.
+        dedupe_copies: Store copies once. Plain safetensors readers (and
+            ``from_pretrained``) then miss the copies' names; weightvault restores them.
 
     Returns:
         What was stored, aliased and copied, and the bytes before and after.
@@ -134,21 +141,49 @@ def convert(
         RuleError: The rules are malformed or map two names to one.
 
     Example:
-        >>> report = convert("shared_dense_default.params", "dense.safetensors")
+        >>> report = convert("shared_dense_default.params", "dense.safetensors",
+        ...                  dedupe_copies=True)
         >>> len(report.copies), report.logical_bytes, report.stored_bytes
         (6, 66560, 16640)
     """
     checked = _rules.check(rules)
     with opened(src) as ckpt:
-        sources, dropped = _sources(ckpt, checked)
         metadata = {"converted_from": os.path.basename(ckpt.path)}
         metadata["source_format"] = str(getattr(ckpt, "format", None) or "safetensors")
-        return _writer.save_sources(
+        return rewrite(
+            ckpt,
             dst,
-            sources,
-            framework=ckpt.framework,
+            rules=checked,
             metadata=metadata,
-            checksum=checksum,
-            skipped=dropped,
             dry_run=dry_run,
+            checksum=checksum,
+            dedupe_copies=dedupe_copies,
         )
+
+
+def rewrite(
+    ckpt: Checkpoint,
+    dst: PathLike,
+    *,
+    metadata: dict[str, str],
+    rules: _rules.Rules = (),
+    dry_run: bool = False,
+    checksum: bool = True,
+    dedupe_copies: bool = False,
+) -> SaveReport:
+    """Write every name of an open checkpoint to ``dst``, re-planned like a save.
+
+    Shared by :func:`convert` and ``Vault.export``: ties, views and frozen names are kept,
+    and copies are stored again (or, with ``dedupe_copies``, once).
+    """
+    sources, dropped = _sources(ckpt, rules)
+    return _writer.save_sources(
+        dst,
+        sources,
+        framework=ckpt.framework,
+        metadata=metadata,
+        checksum=checksum,
+        dedupe_copies=dedupe_copies,
+        skipped=dropped,
+        dry_run=dry_run,
+    )

@@ -10,6 +10,8 @@ catch, so ``except ValueError`` keeps working for code that does not know us::
       ShapeMismatchError   (ValueError)   same name, different shape or dtype
       TieConflictError     (ValueError)   the model ties names the file holds apart
       RuleError            (ValueError)   a rename rule or pattern is malformed or unusable
+      ReservedNameError    (ValueError)   a name or metadata key the file cannot hold
+      UnsupportedValueError    (TypeError)        a value to save is not a dense tensor
       CheckpointExistsError    (FileExistsError)  a vault checkpoint name is taken
       CheckpointNotFoundError  (LookupError)      no vault checkpoint has that name
       CheckpointNameError      (ValueError)       a string is not a valid checkpoint name
@@ -30,9 +32,11 @@ __all__ = [
     "ChecksumError",
     "FormatError",
     "KeyMismatchError",
+    "ReservedNameError",
     "RuleError",
     "ShapeMismatchError",
     "TieConflictError",
+    "UnsupportedValueError",
     "WeightvaultError",
 ]
 
@@ -77,6 +81,9 @@ class KeyMismatchError(WeightvaultError, ValueError):
         unexpected: Names the file holds that the model does not use.
         suggestions: ``{missing_name: closest_unexpected_name}`` for near misses.
         rule: A rename rule that would fix at least one mismatch, if one was found.
+            Every name it renames lands on a missing name of matching dtype and shape.
+        rule_fixes: The missing names ``rule`` fixes; fewer than ``missing`` means the
+            rule is a partial fix (the message says so).
     """
 
     def __init__(
@@ -87,12 +94,14 @@ class KeyMismatchError(WeightvaultError, ValueError):
         unexpected: Sequence[str] = (),
         suggestions: dict[str, str] | None = None,
         rule: tuple[str, str] | None = None,
+        rule_fixes: Sequence[str] = (),
     ) -> None:
         super().__init__(message)
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.suggestions = dict(suggestions or {})
         self.rule = rule
+        self.rule_fixes = list(rule_fixes)
 
 
 class ShapeMismatchError(WeightvaultError, ValueError):
@@ -121,6 +130,19 @@ class TieConflictError(WeightvaultError, ValueError):
 
 class RuleError(WeightvaultError, ValueError):
     """A rename rule or a name pattern is malformed, not invertible, or matched nothing."""
+
+
+class ReservedNameError(WeightvaultError, ValueError):
+    """A tensor name or metadata key that the file format reserves or that is already used.
+
+    ``__metadata__`` is the safetensors header's own key; ``format`` and ``weightvault``
+    are metadata keys with a meaning of their own; and a metadata key equal to a tensor
+    name would read as a tie to plain safetensors readers.
+    """
+
+
+class UnsupportedValueError(WeightvaultError, TypeError):
+    """A value to save is not a dense tensor: a sparse tensor, or a Python object in a dict."""
 
 
 class CheckpointExistsError(WeightvaultError, FileExistsError):

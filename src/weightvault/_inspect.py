@@ -45,6 +45,9 @@ class Inspection:
         shared_storage: Bytes of each stored region that only views read (no model name).
         container: ``"safetensors"``, ``"vault"``, or the foreign format read
             (``"mxnet"``, ``"torch"``, ``"numpy"``, ...).
+        duplicates: ``{stored_name: equal_name}`` for copies stored under their own name
+            (saved with ``dedupe_copies=False``, the default), so plain readers see them.
+            Recorded when the file was written; files from other writers list none.
     """
 
     path: str
@@ -64,10 +67,16 @@ class Inspection:
     framework: str | None
     shared_storage: dict[str, int] = field(default_factory=dict)
     container: str = "safetensors"
+    duplicates: dict[str, str] = field(default_factory=dict)
 
     @property
     def bytes_saved(self) -> int:
         return self.logical_bytes - self.stored_bytes
+
+    @property
+    def dedupe_savings(self) -> int:
+        """Tensor bytes that saving with ``dedupe_copies=True`` would leave out."""
+        return sum(self.tensors[n].nbytes for n in self.duplicates)
 
 
 def _inspection(ckpt: Checkpoint) -> Inspection:
@@ -94,6 +103,7 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
         framework=ckpt.framework,
         shared_storage={n: t.nbytes for n, t in ckpt.stored.items() if ckpt.is_internal(n)},
         container=ckpt.container,
+        duplicates=dict(m.duplicates),
     )
 
 

@@ -7,7 +7,13 @@ whose value is a JSON document::
     {"version": 1, "checksum": "xxh3_64", "sums": {stored: hex},
      "aliases": {alias: kept}, "copies": {copy: stored},
      "views": {name: [base, dtype, shape, stride, byte_offset]},
-     "frozen": [...], "names": [... every name, model order ...], "metadata": {...}}
+     "frozen": [...], "names": [... every name, model order ...], "metadata": {...},
+     "duplicates": {stored: equal earlier name}}
+
+``metadata`` is also written as plain ``__metadata__`` entries, so ``safe_open`` shows
+it; ``duplicates`` (present only when non-empty) lists stored tensors whose bytes equal
+an earlier one's, kept for plain readers, so ``inspect`` can tell what
+``dedupe_copies=True`` would save.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_WIDTH = 16
 #: Metadata keys with a meaning of their own, never read as ``{alias: kept}``.
 RESERVED_KEYS = frozenset({"format", MANIFEST_KEY})
+#: The safetensors header's own key: no tensor and no metadata key may take it.
+HEADER_METADATA_KEY = "__metadata__"
 #: Stored tensors under this prefix hold the storage that several partial views share;
 #: they are no model's name.
 INTERNAL_PREFIX = "__weightvault__."
@@ -64,6 +72,7 @@ class Manifest:
     metadata: dict[str, str] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     ours: bool = True
+    duplicates: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> str:
         views = {
@@ -81,6 +90,8 @@ class Manifest:
             "names": self.names,
             "metadata": self.metadata,
         }
+        if self.duplicates:
+            doc["duplicates"] = self.duplicates
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -119,6 +130,7 @@ def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], wher
         sums=_str_map(doc.get("sums", {}), "sums", where),
         checksum=doc.get("checksum"),
         metadata=_str_map(doc.get("metadata", {}), "metadata", where),
+        duplicates=_str_map(doc.get("duplicates", {}), "duplicates", where),
     )
     _validate(m, tensors, where)
     return m
@@ -230,6 +242,11 @@ def _validate(m: Manifest, tensors: dict[str, TensorInfo], where: str) -> None:
             raise FormatError(
                 f"{where}: view {name!r} reads bytes [{view.offset}, "
                 f"{view.offset + view.span()}) outside {view.base!r} ({base.nbytes} bytes)"
+            )
+    for name, twin in m.duplicates.items():
+        if name not in tensors or name == twin or (twin not in tensors and twin not in m.views):
+            raise FormatError(
+                f"{where}: duplicate {name!r} of {twin!r} must name two stored tensors or views"
             )
     every = set(tensors) | set(logical)
     if not set(m.frozen) <= every or not set(m.names) <= every:

@@ -59,6 +59,7 @@ class LoadPlan:
 
 
 Equal = Callable[[str, str], bool]
+Fits = Callable[[str, str], bool]
 
 
 def plan_load(
@@ -171,7 +172,18 @@ def plan_load(
 
     report.mismatched = mismatched
     if strict:
-        _raise_if_mismatched(ckpt, report, label)
+        signature = {t.name: (t.dtype, t.shape) for t in targets}
+
+        def fits(disk: str, model: str) -> bool:
+            """Whether the unexpected ``disk`` name could fill model name ``model``."""
+            if disk not in avail or model not in signature:
+                return False
+            e = ckpt.entry(avail[disk])
+            dtype, shape = signature[model]
+            got = e.shape if shape_of is None else shape_of([model], e.shape)
+            return got == shape and (cast or e.dtype == dtype)
+
+        _raise_if_mismatched(ckpt, report, label, fits)
     return out
 
 
@@ -215,7 +227,7 @@ def _auto(
     avail: dict[str, str],
     renamed: list[tuple[str, str]],
 ) -> None:
-    """Pair unmatched names by dtype and shape, in order, when that pairing is unique."""
+    """Pair unmatched names of one dtype and shape when their names make the pairs unique."""
     target_names = {t.name for ms in groups.values() for t in ms}
     used = {
         ckpt.entry(avail[t.name]).group for ms in groups.values() for t in ms if t.name in avail
@@ -248,15 +260,68 @@ def _auto(
             f"because the counts per dtype and shape differ: {'; '.join(problems[:4])}. "
             "Pass explicit rules instead, such as rules=[('old.*', 'new.*')]."
         )
-    for sig, needs in by_sig_need.items():
-        for ms, new in zip(needs, by_sig_spare[sig], strict=True):
-            src = avail.pop(new)
-            for t in ms:
-                avail[t.name] = src
-                renamed.append((src, t.name))
+    pairs: list[tuple[list[Target], str]] = []
+    ambiguous = []
+    for sig, needs in sorted(by_sig_need.items(), key=lambda kv: str(kv[0])):
+        paired = _pair_by_names([ms[0].name for ms in needs], by_sig_spare[sig])
+        if paired is None:
+            ambiguous.append(
+                f"{describe(*sig)}: model {capped([ms[0].name for ms in needs], 4)} / "
+                f"file {capped(by_sig_spare[sig], 4)}"
+            )
+            continue
+        pairs += [(needs[i], by_sig_spare[sig][k]) for i, k in enumerate(paired)]
+    if ambiguous:
+        raise RuleError(
+            f"{ckpt.path}: rules='auto' cannot tell which name on disk fills which model "
+            f"name, since several share a dtype and shape and their names differ in more "
+            f"than a common prefix or suffix: {'; '.join(ambiguous[:4])}"
+            + (f"; ... and {len(ambiguous) - 4} more groups" if len(ambiguous) > 4 else "")
+            + ". Pass explicit rules instead, such as rules=[('*.query.*', '*.q_proj.*')]."
+        )
+    for ms, new in pairs:
+        src = avail.pop(new)
+        for t in ms:
+            avail[t.name] = src
+            renamed.append((src, t.name))
 
 
-def _raise_if_mismatched(ckpt: Checkpoint, report: LoadReport, label: str) -> None:
+def _residues(names: list[str]) -> list[tuple[str, ...]]:
+    """Each name's dotted parts after removing the parts all ``names`` start and end with."""
+    parts = [n.split(".") for n in names]
+    shortest = min(len(p) for p in parts)
+    head = 0
+    while head < shortest and len({p[head] for p in parts}) == 1:
+        head += 1
+    tail = 0
+    while tail < shortest - head and len({p[len(p) - 1 - tail] for p in parts}) == 1:
+        tail += 1
+    return [tuple(p[head : len(p) - tail]) for p in parts]
+
+
+def _pair_by_names(model: list[str], disk: list[str]) -> list[int] | None:
+    """For each model name, the index of the disk name it pairs with; ``None`` if unsure.
+
+    One name on each side pairs trivially. Otherwise each side loses the prefix and
+    suffix its names all share, and the rest must be equal, one to one: ``blocks.0.w`` and
+    ``layers.0.w`` pair, but ``attn.q_proj.w`` never pairs with ``attn.key.w`` or
+    ``attn.query.w`` merely because they come in the same order.
+    """
+    if len(model) == 1:
+        return [0]
+    want, have = _residues(model), _residues(disk)
+    index = {r: k for k, r in enumerate(have)}
+    if len(index) != len(have) or len(set(want)) != len(want):
+        return None
+    out = [index.get(r) for r in want]
+    if any(k is None for k in out):
+        return None
+    return [k for k in out if k is not None]
+
+
+def _raise_if_mismatched(
+    ckpt: Checkpoint, report: LoadReport, label: str, fits: Fits | None = None
+) -> None:
     if report.mismatched:
         lines = [
             f"    {n}: {disk} on disk, {mine} in the model"
@@ -281,7 +346,9 @@ def _raise_if_mismatched(ckpt: Checkpoint, report: LoadReport, label: str) -> No
         close = difflib.get_close_matches(name, report.unexpected, n=1, cutoff=0.6)
         if close:
             suggestions[name] = close[0]
-    rule = propose_rule(report.missing, report.unexpected, suggestions)
+    rule, fixes = propose_rule(
+        report.missing, report.unexpected, suggestions, fits=fits, loaded=report.loaded
+    )
     missing = [
         f"{n} (did you mean {suggestions[n]!r}?)" if n in suggestions else n for n in report.missing
     ]
@@ -293,7 +360,13 @@ def _raise_if_mismatched(ckpt: Checkpoint, report: LoadReport, label: str) -> No
         lines.append(f"    Missing key(s):    {capped(missing)}")
     if report.unexpected:
         lines.append(f"    Unexpected key(s): {capped(report.unexpected)}")
-    if rule is not None:
+    if rule is not None and len(fixes) < len(report.missing):
+        lines.append(
+            f"Pass rules=[{rule!r}] to rename {len(fixes)} of the {len(report.missing)} "
+            "missing names (a partial fix: the others need rules of their own), or "
+            "strict=False to load what matches."
+        )
+    elif rule is not None:
         lines.append(f"Pass rules=[{rule!r}] to rename, or strict=False to load what matches.")
     else:
         lines.append("Pass rules=... to rename names, or strict=False to load what matches.")
@@ -303,6 +376,7 @@ def _raise_if_mismatched(ckpt: Checkpoint, report: LoadReport, label: str) -> No
         unexpected=report.unexpected,
         suggestions=suggestions,
         rule=rule,
+        rule_fixes=fixes,
     )
 
 
@@ -326,17 +400,37 @@ def _candidate(unexpected: str, missing: str) -> tuple[str, str]:
 
 
 def propose_rule(
-    missing: list[str], unexpected: list[str], suggestions: dict[str, str]
-) -> tuple[str, str] | None:
-    """The single rename rule that fixes the most missing names, if any fixes one."""
+    missing: list[str],
+    unexpected: list[str],
+    suggestions: dict[str, str],
+    *,
+    fits: Fits | None = None,
+    loaded: Sequence[str] = (),
+) -> tuple[tuple[str, str] | None, list[str]]:
+    """The single rename rule that fixes the most missing names, and the names it fixes.
+
+    A candidate is kept only if every name it renames lands on a missing name it can fill
+    (``fits(disk_name, model_name)``, by dtype and shape), no two land on one, and it
+    renames no name that already loads: a proposed rule never claims a fix it does not
+    make. It may fix only some of the missing names; the caller says so.
+    """
     want = set(missing)
     pairs = list(suggestions.items()) or (
         [(missing[0], unexpected[0])] if len(missing) == len(unexpected) == 1 else []
     )
-    best: tuple[int, tuple[str, str]] | None = None
+    best: tuple[tuple[str, str], list[str]] | None = None
     for m, u in pairs:
         cand = _candidate(u, m)
-        fixed = sum(_rules.rename([cand], n) in want for n in unexpected)
-        if fixed and (best is None or fixed > best[0]):
-            best = (fixed, cand)
-    return None if best is None else best[1]
+        if any(_rules.apply([cand], n)[1] is not None for n in loaded):
+            continue
+        claimed = [n for n in unexpected if _rules.apply([cand], n)[1] is not None]
+        fixed = [
+            new
+            for n in claimed
+            if (new := _rules.rename([cand], n)) in want and (fits is None or fits(n, new))
+        ]
+        if not fixed or len(fixed) != len(claimed) or len(set(fixed)) != len(fixed):
+            continue
+        if best is None or len(fixed) > len(best[1]):
+            best = (cand, [n for n in missing if n in set(fixed)])
+    return (None, []) if best is None else best

@@ -10,7 +10,9 @@ touches a framework. Three kinds of sharing are found:
 * **copies**: distinct tensors whose dtype, shape and bytes are equal (``deepcopy``, or
   MXNet's duplicate arrays). Stored once; on load each name gets its own tensor. Only
   tensors of one dtype and shape can be copies, so only those are compared, byte by byte,
-  and nothing is hashed.
+  and nothing is hashed. Plain safetensors readers see only stored names, so a single
+  file keeps copies stored (``dedupe_copies=False``) and records them as *duplicates*,
+  which tells ``inspect`` what deduplicating them would save.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class Plan:
     frozen: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     logical_bytes: int = 0
+    #: Stored names whose bytes equal an earlier name's: copies kept for plain readers.
+    duplicates: dict[str, str] = field(default_factory=dict)
 
     @property
     def stored_bytes(self) -> int:
@@ -122,6 +126,7 @@ class Plan:
             sums=dict(sums or {}),
             metadata=dict(metadata or {}),
             ours=ours,
+            duplicates=self.duplicates,
         )
 
 
@@ -148,6 +153,8 @@ def plan(sources: Sequence[Source], *, dedupe_copies: bool = True) -> Plan:
 
     The kept name of every group is its first name in that order, so for GPT-2 the
     embedding is stored as ``transformer.wte.weight`` and ``lm_head.weight`` is an alias.
+    Without ``dedupe_copies`` copies are still found, but stored and listed in
+    ``duplicates`` instead of ``copies``.
     """
     out = Plan(names=[s.name for s in sources])
     groups: dict[Hashable, list[Source]] = {}
@@ -172,14 +179,17 @@ def plan(sources: Sequence[Source], *, dedupe_copies: bool = True) -> Plan:
     for rep in plain:
         signature = (rep.dtype, rep.shape)
         kept = rep
-        if dedupe_copies and rep.nbytes > 0:
+        if rep.nbytes > 0:
             for other in candidates[signature]:
                 if same_bytes(other.data(), rep.data()):
                     kept = other
                     break
-        if kept is rep:
+        if kept is rep or not dedupe_copies:
             out.stored.append(Stored(rep.name, rep.dtype, rep.shape, rep.data, order[rep.name]))
-            candidates[signature].append(rep)
+            if kept is rep:
+                candidates[signature].append(rep)
+            else:
+                out.duplicates[rep.name] = kept.name
         else:
             out.copies[rep.name] = kept.name
 

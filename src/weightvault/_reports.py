@@ -15,6 +15,9 @@ class SaveReport:
         aliases: ``{alias: kept_name}`` for tied names.
         copies: ``{copy: stored_name}`` for distinct tensors with equal bytes.
         views: Names stored as views into another stored tensor.
+        duplicates: ``{name: equal_name}`` for copies stored again because
+            ``dedupe_copies=False`` (the default), so plain readers see them.
+        dedupe_savings: Tensor bytes ``dedupe_copies=True`` would have left out.
         frozen: Names saved as frozen.
         skipped: State-dict entries that are not tensors and were left out.
         logical_bytes: What the tensors take if every name is written out.
@@ -32,6 +35,8 @@ class SaveReport:
     logical_bytes: int = 0
     stored_bytes: int = 0
     file_bytes: int = 0
+    duplicates: dict[str, str] = field(default_factory=dict)
+    dedupe_savings: int = 0
 
     @property
     def bytes_saved(self) -> int:

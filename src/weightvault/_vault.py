@@ -48,6 +48,7 @@ from typing import Any
 import blake3
 import xxhash
 
+from ._convert import rewrite
 from ._errors import (
     CheckpointExistsError,
     CheckpointNameError,
@@ -62,7 +63,7 @@ from ._plan import Plan, Stored, plan
 from ._reader import Checkpoint, read_fully
 from ._reports import LoadReport
 from ._store import Blob, Store, open_store
-from ._writer import layout, write
+from ._writer import check_names, layout
 
 FORMAT = "weightvault-vault"
 VERSION = 1
@@ -500,6 +501,8 @@ class Vault:
                 )
         adapter = _adapter(model)
         sources, _ = adapter._sources(model)
+        # Refused now rather than when the checkpoint is exported to a single file.
+        check_names([s.name for s in sources], metadata, self.url)
         p = plan(sources)
         placed = layout(p.stored)
         digests: dict[str, str] = {}
@@ -943,18 +946,21 @@ class Vault:
             return None
         return f"object {digest[:12]} is missing"
 
-    def export(self, name: str, path: str | os.PathLike[str]) -> int:
-        """Write checkpoint ``name`` as a standalone file any safetensors reader opens."""
+    def export(
+        self, name: str, path: str | os.PathLike[str], *, dedupe_copies: bool = False
+    ) -> int:
+        """Write checkpoint ``name`` as a standalone file any safetensors reader opens.
+
+        Copies, stored once in the vault, are written under every name by default, so
+        plain readers (``safetensors.torch.load_model``, ``from_pretrained``) see the whole
+        model; with ``dedupe_copies`` they are stored once, as in the vault. Returns the
+        file's size in bytes.
+        """
         with self.open(name) as ckpt:
             ckpt.verify()
-            m = ckpt.manifest
-            order = {n: i for i, n in enumerate(m.names)}
-            stored = [
-                Stored(n, info.dtype, info.shape, _reader(ckpt, n), order.get(n, i))
-                for i, (n, info) in enumerate(ckpt.stored.items())
-            ]
-            p = Plan(stored, m.aliases, m.copies, m.views, m.frozen, m.names)
-            return write(path, p, framework=ckpt.framework, metadata=m.metadata)
+            metadata = dict(ckpt.manifest.metadata)
+            report = rewrite(ckpt, path, metadata=metadata, dedupe_copies=dedupe_copies)
+            return report.file_bytes
 
     def disk_bytes(self) -> int:
         """Bytes the vault occupies: every object and record."""
@@ -962,7 +968,3 @@ class Vault:
 
     def __repr__(self) -> str:
         return f"Vault({self.url!r})"
-
-
-def _reader(ckpt: Checkpoint, name: str) -> Callable[[], memoryview]:
-    return lambda: ckpt.raw(name)

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
 from ._atomic import atomic_file, write_all as _write_all
 from ._dtypes import ITEMSIZE
+from ._errors import ReservedNameError, capped
 from ._header import TensorInfo, encode_header
-from ._manifest import CHECKSUM_WIDTH, MANIFEST_KEY, Manifest
+from ._manifest import (
+    CHECKSUM_WIDTH,
+    HEADER_METADATA_KEY,
+    INTERNAL_PREFIX,
+    MANIFEST_KEY,
+    RESERVED_KEYS,
+    Manifest,
+)
 from ._plan import Plan, Source, Stored, plan
 from ._reports import SaveReport
 
@@ -36,6 +44,42 @@ def layout(stored: list[Stored]) -> list[tuple[Stored, TensorInfo]]:
     return out
 
 
+def check_names(
+    names: Iterable[str], metadata: Mapping[str, str] | None, where: str = "save"
+) -> None:
+    """Refuse names and metadata keys a file cannot hold unambiguously.
+
+    Raises:
+        ReservedNameError: A tensor is named ``__metadata__`` or uses weightvault's internal
+            prefix, or a metadata key is reserved or equal to a tensor name (plain
+            readers would take it for a tie).
+        TypeError: A metadata key or value is not a string.
+    """
+    names = list(names)
+    bad = [n for n in names if n == HEADER_METADATA_KEY or n.startswith(INTERNAL_PREFIX)]
+    if bad:
+        raise ReservedNameError(
+            f"{where}: tensor name(s) {capped(repr(n) for n in bad)} are reserved by the file "
+            f"format ({HEADER_METADATA_KEY!r} is the safetensors header's metadata key, "
+            f"{INTERNAL_PREFIX!r} names weightvault's shared storage); rename the tensor"
+        )
+    meta = dict(metadata or {})
+    wrong = [repr(k) for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if wrong:
+        raise TypeError(
+            f"{where}: metadata must map str to str, but {capped(wrong)} do not; convert "
+            'the values first, for example {"step": str(step)}'
+        )
+    taken = set(names)
+    clash = [k for k in meta if k in RESERVED_KEYS or k == HEADER_METADATA_KEY or k in taken]
+    if clash:
+        raise ReservedNameError(
+            f"{where}: metadata key(s) {capped(repr(k) for k in clash)} clash with a reserved "
+            f"key ({', '.join(sorted([*RESERVED_KEYS, HEADER_METADATA_KEY]))}) or a tensor "
+            "name, which plain safetensors readers would misread; rename the key"
+        )
+
+
 def write(
     path: str | os.PathLike[str],
     plan: Plan,
@@ -55,6 +99,7 @@ def write(
     a temporary name in the same folder, fsynced, then renamed over ``path``. A crash at
     any moment leaves the previous file at ``path`` as it was.
     """
+    check_names(plan.names, metadata, os.fspath(path))
     placed = layout(plan.stored)
     placeholders = {s.name: "0" * CHECKSUM_WIDTH for s, _ in placed} if checksum else None
     manifest = plan.manifest(metadata, sums=placeholders)
@@ -95,12 +140,16 @@ def _header_metadata(plan: Plan, framework: str | None, manifest: Manifest) -> d
     meta: dict[str, str] = {}
     if framework:
         meta["format"] = framework
+    # safetensors users read their metadata with safe_open(...).metadata(); check_names
+    # made sure no key is reserved or a tensor name, so none reads as a tie.
+    meta.update(manifest.metadata)
     # The de facto convention, so other readers (and safetensors users) see the ties. It
     # can only name stored tensors: an alias of a copy names the copy's stored twin (equal
-    # values), and an alias of a view has no plain-reader equivalent.
+    # values), and an alias of a view has no plain-reader equivalent. An alias named like
+    # a reserved key (``format``) is left to the manifest: it must not replace that key.
     for alias, target in plan.aliases.items():
         target = plan.copies.get(target, target)
-        if target not in plan.views:
+        if target not in plan.views and alias not in RESERVED_KEYS:
             meta[alias] = target
     meta[MANIFEST_KEY] = manifest.encode()
     return meta
@@ -113,7 +162,7 @@ def save_sources(
     framework: str | None,
     metadata: dict[str, str] | None = None,
     checksum: bool = True,
-    dedupe_copies: bool = True,
+    dedupe_copies: bool = False,
     skipped: list[str] | None = None,
     dry_run: bool = False,
 ) -> SaveReport:
@@ -121,6 +170,7 @@ def save_sources(
 
     With ``dry_run`` nothing is written and ``file_bytes`` is 0.
     """
+    check_names([s.name for s in sources], metadata, os.fspath(path))
     p = plan(sources, dedupe_copies=dedupe_copies)
     file_bytes = 0
     if not dry_run:
@@ -131,6 +181,8 @@ def save_sources(
         aliases=p.aliases,
         copies=p.copies,
         views=list(p.views),
+        duplicates=p.duplicates,
+        dedupe_savings=sum(s.nbytes for s in p.stored if s.name in p.duplicates),
         frozen=p.frozen,
         skipped=list(skipped or []),
         logical_bytes=p.logical_bytes,

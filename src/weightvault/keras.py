@@ -85,6 +85,10 @@ NUMPY: dict[str, Any] = {
     "I8": np.dtype("<i1"),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    # No Keras dtype holds these three; load_file still returns them as ml_dtypes arrays.
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
     "I16": np.dtype("<i2"),
     "U16": np.dtype("<u2"),
     "F16": np.dtype("<f2"),
@@ -266,7 +270,13 @@ def _numpy(value: Any, dtype: str) -> Any:
 
 def _bytes_of(value: Any, dtype: str) -> memoryview:
     raw = getattr(value, "value", value)  # a Variable's backend tensor
-    if type(raw).__module__.startswith("torch") and hasattr(raw, "untyped_storage"):
+    if (
+        type(raw).__module__.startswith("torch")
+        and hasattr(raw, "untyped_storage")
+        # Keras' torch backend holds some dtypes wider (uint16 and uint32 as int32): then
+        # the tensor's bytes are not the declared dtype's, and numpy converts them.
+        and raw.element_size() == NUMPY[dtype].itemsize
+    ):
         # KERAS_BACKEND=torch: hand out the tensor's own bytes; convert_to_numpy would
         # copy every variable (and widen bfloat16 to float32 and back).
         import torch
@@ -334,21 +344,23 @@ def save(
     *,
     metadata: Mapping[str, str] | None = None,
     checksum: bool = True,
-    dedupe_copies: bool = True,
+    dedupe_copies: bool = False,
 ) -> SaveReport:
-    """Save a built Keras model (or a dict of variables/arrays), every distinct value once.
+    """Save a built Keras model (or a dict of variables/arrays), every shared value once.
 
     A variable that several layers hold is written once; its other names become aliases.
-    Equal but separate variables are stored once as copies. Frozen flags are recorded.
+    Equal but separate variables are stored under every name, so plain safetensors
+    readers see them all, unless ``dedupe_copies`` is set. Frozen flags are recorded.
     Optimizer and metric state are not model weights and are left out. The file is a
     valid safetensors file, written atomically.
 
     Args:
         obj: A built ``keras.Model`` or layer, or a ``{name: Variable | array}`` dict.
         path: Where to write. An existing file is replaced only once the new one is complete.
-        metadata: Your own ``str -> str`` metadata, kept in the manifest.
+        metadata: Your own ``str -> str`` metadata, also visible to ``safe_open``.
         checksum: Record an xxh3-64 checksum of every stored tensor.
-        dedupe_copies: Store equal but separate values once.
+        dedupe_copies: Store equal but separate values once, as copies only weightvault
+            readers see.
 
     Returns:
         What was stored, aliased and copied, and the bytes saved.
@@ -383,9 +395,12 @@ def _value(ckpt: Checkpoint, name: str, base: Any) -> Any:
     dtype = NUMPY[v.dtype]
     if v.span() <= 0:
         return np.empty(v.shape, dtype=dtype)
-    flat = base.reshape(-1).view(np.uint8)[v.offset : v.offset + v.span()].view(dtype)
+    # as_strided goes through __array_interface__, which loses ml_dtypes' types: stride
+    # over unsigned integers of the same width, then reinterpret.
+    word = np.dtype(f"<u{dtype.itemsize}")
+    flat = base.reshape(-1).view(np.uint8)[v.offset : v.offset + v.span()].view(word)
     strides = tuple(s * dtype.itemsize for s in v.stride)
-    return np.lib.stride_tricks.as_strided(flat, v.shape, strides)
+    return np.lib.stride_tricks.as_strided(flat, v.shape, strides).view(dtype)
 
 
 def _read(ckpt: Checkpoint, name: str) -> Any:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from ._errors import BackendNotInstalled, WeightvaultError, capped
+from ._errors import BackendNotInstalled, UnsupportedValueError, WeightvaultError, capped
 
 try:
     import numpy as np
@@ -60,6 +60,8 @@ ML_DTYPES = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 
 
@@ -122,7 +124,10 @@ def _root(a: np.ndarray) -> np.ndarray:
 
 def _source(key: str, a: np.ndarray) -> Source:
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"save() takes a dict of numpy arrays; {key!r} is a {type(a).__name__}")
+        raise UnsupportedValueError(
+            f"save: {key!r} is a {type(a).__name__}, not a numpy array; a dict to save must "
+            "hold only arrays (np.asarray(value) converts one)"
+        )
     dtype = _name_of(key, a)
     shape = tuple(int(d) for d in a.shape)
     size = a.dtype.itemsize
@@ -160,20 +165,22 @@ def save(
     *,
     metadata: Mapping[str, str] | None = None,
     checksum: bool = True,
-    dedupe_copies: bool = True,
+    dedupe_copies: bool = False,
 ) -> SaveReport:
-    """Save a dict of arrays, storing every distinct array once.
+    """Save a dict of arrays, storing every shared array once.
 
     The same array under two names (or two views with the same layout) becomes an alias,
-    partial views of one array are stored once as views, and equal arrays are stored
-    once as copies.
+    and partial views of one array are stored once as views. Equal but separate arrays
+    are stored under every name, so plain safetensors readers see them all, unless
+    ``dedupe_copies`` is set.
 
     Args:
         arrays: ``{name: array}``; bfloat16 and float8 arrays use ``ml_dtypes``.
         path: Where to write; replaced atomically.
-        metadata: Your own ``str -> str`` metadata.
+        metadata: Your own ``str -> str`` metadata, also visible to ``safe_open``.
         checksum: Record an xxh3-64 checksum of every stored array.
-        dedupe_copies: Store equal but separate arrays once.
+        dedupe_copies: Store equal but separate arrays once, as copies only weightvault
+            readers see.
 
     Example:
         >>> w = np.zeros((2, 2), np.float32)
@@ -200,9 +207,13 @@ def _read(ckpt: Checkpoint, e: Entry) -> np.ndarray:
     dt = dtype_of(v.dtype)
     if not v.span():
         return np.empty(v.shape, dtype=dt)
-    base = np.frombuffer(raw, dtype=np.uint8)[v.offset : v.offset + v.span()].view(dt)
+    # as_strided goes through __array_interface__, which loses ml_dtypes' types (an
+    # F8_E5M2 view raised TypeError): stride over unsigned integers of the same width.
+    word = np.dtype(f"<u{dt.itemsize}")
+    base = np.frombuffer(raw, dtype=np.uint8)[v.offset : v.offset + v.span()].view(word)
     strides = tuple(s * dt.itemsize for s in v.stride)
-    return np.lib.stride_tricks.as_strided(base, v.shape, strides, writeable=False).copy()
+    out = np.lib.stride_tricks.as_strided(base, v.shape, strides, writeable=False).copy()
+    return out.view(dt)
 
 
 def load_file(path: Source_, *, verify: bool = False) -> dict[str, np.ndarray]:

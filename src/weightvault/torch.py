@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._errors import BackendNotInstalled, WeightvaultError, capped
+from ._errors import BackendNotInstalled, UnsupportedValueError, WeightvaultError, capped
 
 try:
     import torch
@@ -136,6 +136,8 @@ def _source(name: str, t: torch.Tensor, identity: Any, frozen: bool) -> Source:
 def _layout_identity(t: torch.Tensor) -> Any:
     if t.numel() == 0:
         return ("object", id(t))
+    # A lazily conjugated or negated tensor shares memory and layout with its source but
+    # reads different values, so the flags are part of what makes two names one tensor.
     return (
         str(t.device),
         t.untyped_storage().data_ptr(),
@@ -143,7 +145,22 @@ def _layout_identity(t: torch.Tensor) -> Any:
         tuple(t.shape),
         tuple(t.stride()),
         t.dtype,
+        t.is_conj(),
+        t.is_neg(),
     )
+
+
+def _check_value(name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise UnsupportedValueError(
+            f"save: {name!r} is a {type(value).__name__}, not a tensor; a dict to save must "
+            "hold only tensors (keep other state in metadata=, or save the nn.Module)"
+        )
+    if value.layout != torch.strided:
+        raise UnsupportedValueError(
+            f"save: tensor {name!r} has layout {value.layout}, which safetensors cannot "
+            "store; convert it first, for example with .to_dense()"
+        )
 
 
 def _sources(obj: nn.Module | Mapping[str, torch.Tensor]) -> tuple[list[Source], list[str]]:
@@ -153,15 +170,27 @@ def _sources(obj: nn.Module | Mapping[str, torch.Tensor]) -> tuple[list[Source],
         state = obj.state_dict(keep_vars=True)
     elif isinstance(obj, Mapping):
         state = dict(obj)
+        for name, value in state.items():
+            _check_value(name, value)
     else:
         raise TypeError(f"save() takes an nn.Module or a dict of tensors, not {type(obj).__name__}")
+    resolved: dict[Any, torch.Tensor] = {}
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
+            # A module's extra state (get_extra_state) is no tensor; it is reported.
             skipped.append(name)
             continue
+        _check_value(name, value)
         frozen = isinstance(value, nn.Parameter) and not value.requires_grad
         # Same memory with the same layout is one tensor, whether or not it is one object.
-        sources.append(_source(name, value, _layout_identity(value), frozen))
+        identity = _layout_identity(value)
+        if value.is_conj() or value.is_neg():
+            # Its bytes are not its values: plan the resolved values, once per identity so
+            # that two names of one lazy tensor stay one (an alias).
+            if identity not in resolved:
+                resolved[identity] = value.detach().resolve_conj().resolve_neg()
+            value = resolved[identity]
+        sources.append(_source(name, value, identity, frozen))
     return sources, skipped
 
 
@@ -171,25 +200,34 @@ def save(
     *,
     metadata: Mapping[str, str] | None = None,
     checksum: bool = True,
-    dedupe_copies: bool = True,
+    dedupe_copies: bool = False,
 ) -> SaveReport:
-    """Save a module or a dict of tensors, storing every distinct tensor once.
+    """Save a module or a dict of tensors, storing every tied tensor once.
 
     Names are ``state_dict`` names, every alias included; non-persistent buffers are left
-    out. Tied names become aliases, equal copies are stored once, and partial views of
-    one storage are stored once and come back as views. The file is a valid safetensors
-    file and is written atomically.
+    out. Tied names become aliases (listed as ``{alias: kept}`` metadata, which plain
+    safetensors readers honour), and partial views of one storage are stored once and come
+    back as views. Separate tensors with equal bytes (copies) are stored under every
+    name by default, so plain readers (``safetensors.torch.load_model``,
+    ``from_pretrained``) see the same model as weightvault. The file is a valid
+    safetensors file and is written atomically.
 
     Args:
         obj: An ``nn.Module`` or a ``{name: tensor}`` dict.
         path: Where to write. An existing file is replaced only once the new one is complete.
-        metadata: Your own ``str -> str`` metadata, kept in the manifest.
+        metadata: Your own ``str -> str`` metadata: in the manifest and in the header's
+            ``__metadata__``, where ``safe_open(path, "pt").metadata()`` shows it.
         checksum: Record an xxh3-64 checksum of every stored tensor (costs ~5% of a save).
-        dedupe_copies: Store equal but separate tensors once. Turn off only if plain
-            safetensors readers must see every name as its own tensor.
+        dedupe_copies: Store equal but separate tensors once. Smaller, but plain
+            safetensors readers then miss the copies' names; only weightvault restores them.
 
     Returns:
         What was stored, aliased and copied, and the bytes saved.
+
+    Raises:
+        UnsupportedValueError: A dict value is not a tensor, or a tensor is sparse.
+        ReservedNameError: A name is ``__metadata__``, or a metadata key is reserved
+            (``format``, ``weightvault``) or a tensor name.
 
     Example:
         >>> report = save(model, "model.safetensors", metadata={"step": "1000"})
