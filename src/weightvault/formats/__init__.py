@@ -96,9 +96,7 @@ def _zip_kind(path: str) -> str:
     return "unknown"
 
 
-def open_any(
-    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
-) -> Checkpoint:
+def open_any(path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None) -> Checkpoint:
     """Open a checkpoint in any supported format.
 
     Args:

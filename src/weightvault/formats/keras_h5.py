@@ -9,8 +9,9 @@ layers is written once per layer) hold equal bytes and become copies.
 Contiguous, unfiltered datasets are slices of a read-only file map; chunked or
 compressed ones are read through h5py, after their size is checked against the bytes
 they occupy and charged to the file's :class:`~weightvault._limits.DecodeBudget` (so 300
-unwritten datasets cannot add up to gigabytes). Every path walked is charged too, so
-groups hard-linked into each other many times cannot multiply the names without bound.
+unwritten datasets cannot add up to gigabytes). A group reachable through two paths is
+refused, so groups hard-linked into each other cannot multiply the paths walked (2**21
+from a few kB); a dataset reachable through two paths is an alias, as above.
 
 Nothing but the given file is ever read. Refused, before any data is read:
 
@@ -133,10 +134,18 @@ def _walk(
     buf: memoryview,
     where: str,
     budget: DecodeBudget,
+    groups: dict[Hashable, str] | None = None,
 ) -> None:
+    groups = {} if groups is None else groups
     if len(ancestors) > MAX_DIMS:
         raise FormatError(f"{where}: groups nested over {MAX_DIMS} deep at {prefix!r}; {FIX}")
-    for key in sorted(group.keys(), key=_order):
+    keys = list(group.keys())
+    for key in keys:
+        if not isinstance(key, str):  # h5py hands out names that are not UTF-8 as bytes
+            raise FormatError(
+                f"{where}: the name {bytes(key)[:80]!r} under {prefix!r} is not UTF-8; {FIX}"
+            )
+    for key in sorted(keys, key=_order):
         name = f"{prefix}{key}"
         budget.charge_name(name)
         try:
@@ -163,7 +172,13 @@ def _walk(
         if isinstance(obj, h5py.Group):
             if ident in ancestors:
                 raise FormatError(f"{where}: group {name!r} contains itself (a link cycle)")
-            _walk(h5py, obj, f"{name}/", [*ancestors, ident], out, buf, where, budget)
+            if ident in groups:
+                raise FormatError(
+                    f"{where}: group {name!r} is also linked as {groups[ident]!r}; a group "
+                    f"linked twice makes every path under it twice, which Keras never does. {FIX}"
+                )
+            groups[ident] = name
+            _walk(h5py, obj, f"{name}/", [*ancestors, ident], out, buf, where, budget, groups)
         elif isinstance(obj, h5py.Dataset):
             if len(out) >= MAX_DATASETS:
                 raise FormatError(f"{where}: more than {MAX_DATASETS} datasets; {FIX}")
