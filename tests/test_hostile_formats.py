@@ -530,7 +530,7 @@ def _seed_files(tmp: Path) -> dict[str, bytes]:
     seeds["npz-deflate"] = buf.read_bytes()
     seeds["npy"] = npy(w)
     h5 = tmp / "seed.h5"
-    with h5py.File(h5, "w") as f:
+    with h5py.File(h5, "w", libver="latest") as f:  # the compact layout: a smaller seed
         f["layers/dense/vars/0"] = w
         f["layers/dense/vars/1"] = np.ones(4, np.float32)
         f.create_dataset("layers/conv/vars/0", data=w, compression="gzip", chunks=(1, 4))
@@ -564,6 +564,16 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(out)
 
 
+def _put(path: Path, data: bytes) -> None:
+    """Replace the file's bytes without O_TRUNC, which makes ext4 flush on close (~6 ms)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
 def _read_all(path: Path) -> None:
     with open_any(path) as ckpt:
         wvn.load_file(ckpt)
@@ -579,8 +589,7 @@ def fuzz(tmp: Path, cases: int, seed: int = 9) -> tuple[int, int, list[str]]:
     bad: list[str] = []
     for i in range(cases):
         kind = kinds[i % len(kinds)]
-        data = _mutate(rng, seeds[kind])
-        path.write_bytes(data)
+        _put(path, _mutate(rng, seeds[kind]))
         try:
             _read_all(path)
             read += 1

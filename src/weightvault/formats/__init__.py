@@ -87,7 +87,8 @@ def _zip_kind(path: str) -> str:
     try:
         with zipfile.ZipFile(path) as z:
             names = z.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        # NotImplementedError: a damaged entry claims a zip version zipfile cannot read.
         return "unknown"
     if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names):
         return "torch"
