@@ -87,7 +87,8 @@ def _zip_kind(path: str) -> str:
     try:
         with zipfile.ZipFile(path) as z:
             names = z.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        # NotImplementedError: a damaged entry claims a zip version zipfile cannot read.
         return "unknown"
     if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names):
         return "torch"
@@ -96,11 +97,19 @@ def _zip_kind(path: str) -> str:
     return "unknown"
 
 
-def open_any(path: str | os.PathLike[str]) -> Checkpoint:
+def open_any(path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None) -> Checkpoint:
     """Open a checkpoint in any supported format.
 
+    Args:
+        path: The file.
+        max_decoded_bytes: The most bytes a foreign reader may decode from the file
+            (inflate, densify, copy); ``None`` means ``WEIGHTVAULT_MAX_DECODED_BYTES`` if
+            set, else 16 bytes per file byte plus 64 MiB, at most 32 GiB (see
+            docs/format.md). safetensors files decode nothing and ignore it.
+
     Raises:
-        FormatError: The format is not recognised, or the file is malformed.
+        FormatError: The format is not recognised, the file is malformed, or decoding it
+            would pass the limit (the message says how to raise it).
         BackendNotInstalled: The format needs a package that is not installed.
 
     Example:
@@ -116,19 +125,19 @@ def open_any(path: str | os.PathLike[str]) -> Checkpoint:
     if kind == "mxnet":
         from .mxnet import open_mxnet
 
-        return open_mxnet(path)
+        return open_mxnet(path, max_decoded_bytes=max_decoded_bytes)
     if kind in ("torch", "pickle"):
         from .torch_pickle import open_torch
 
-        return open_torch(path)
+        return open_torch(path, max_decoded_bytes=max_decoded_bytes)
     if kind in ("npz", "npy"):
         from .npz import open_npz
 
-        return open_npz(path)
+        return open_npz(path, max_decoded_bytes=max_decoded_bytes)
     if kind == "hdf5":
         from .keras_h5 import open_keras_h5
 
-        return open_keras_h5(path)
+        return open_keras_h5(path, max_decoded_bytes=max_decoded_bytes)
     raise FormatError(
         f"{os.fspath(path)}: not a checkpoint format weightvault reads (safetensors, MXNet "
         ".params, torch .pt/.bin, Keras .weights.h5, numpy .npz); check the file is "

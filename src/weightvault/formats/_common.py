@@ -14,11 +14,12 @@ import mmap
 import os
 import struct
 import zipfile
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .._dtypes import ITEMSIZE, numel
-from .._errors import BackendNotInstalled, FormatError
+from .._errors import BackendNotInstalled, FormatError, WeightvaultError
 from .._manifest import Manifest
 from .._plan import Source, plan
 from .._reader import MemoryCheckpoint
@@ -27,6 +28,44 @@ from .._reader import MemoryCheckpoint
 MAX_DIMS = 64
 #: The pip command that installs what the readers need.
 PIP_FORMATS = "pip install 'weightvault[formats]'"
+#: A shape's size, zero dimensions counted as 1, times the item size must fit in int64,
+#: or frameworks overflow computing strides even for a zero-size array.
+MAX_EXTENT = (1 << 63) - 1
+#: What the libraries a reader calls (zipfile, zlib, struct, pickle, h5py, torch) raise on
+#: a damaged file; :func:`decoding` turns each into a FormatError naming the file.
+DAMAGE = (
+    ValueError,
+    TypeError,
+    LookupError,
+    struct.error,
+    zlib.error,
+    zipfile.BadZipFile,
+    EOFError,
+    NotImplementedError,
+    OverflowError,
+    RecursionError,
+    MemoryError,
+    RuntimeError,
+    OSError,
+)
+
+
+@contextlib.contextmanager
+def decoding(where: str, fix: str) -> Iterator[None]:
+    """Turn what a damaged file makes a library raise into a :class:`FormatError`.
+
+    Wraps the decoding of a file that is already open, so a missing or unreadable path
+    still raises its own ``OSError`` before this is entered. Our own errors pass through.
+    """
+    try:
+        yield
+    except WeightvaultError:
+        raise
+    except DAMAGE as e:
+        detail = str(e).splitlines()[0][:120] if str(e) else ""
+        raise FormatError(
+            f"{where}: cannot be decoded ({type(e).__name__}: {detail}); {fix}"
+        ) from None
 
 
 def need(module: str, what: str) -> Any:
@@ -105,7 +144,13 @@ def build(
         fmt: The format name the checkpoint reports.
         keep: A file map the sources' bytes point into, released by ``close``.
         metadata: Kept in the manifest.
+
+    Raises:
+        FormatError: A name is not valid Unicode, or a shape overflows (see
+            :func:`check_tensor`).
     """
+    for s in sources:
+        check_tensor(path, s.name, s.dtype, s.shape)
     p = plan(sources)
     manifest = p.manifest(metadata, ours=False)
     arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]] = {
@@ -140,6 +185,33 @@ def check_shape(where: str, name: str, shape: Any) -> tuple[int, ...]:
                 f"shape {str(list(shape))[:80]}; the file is damaged"
             )
     return tuple(shape)
+
+
+def check_tensor(where: str, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+    """Refuse a name that cannot be written as UTF-8 and a shape that overflows int64.
+
+    A lone surrogate (which pickle, HDF5 and zip names can carry) would fail only when
+    the name is written; a zero-size shape such as ``(0, 2**62, 2**62)`` holds no bytes
+    but makes numpy and torch overflow computing its strides.
+
+    Raises:
+        FormatError: Naming the file and the array.
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FormatError(
+            f"{where}: array {name[:80]!r} has a name that is not valid Unicode (a lone "
+            "surrogate); the file is damaged, or rename the array and save it again"
+        ) from None
+    extent = ITEMSIZE[dtype]
+    for d in shape:
+        extent *= max(d, 1)
+    if extent > MAX_EXTENT:
+        raise FormatError(
+            f"{where}: array {name[:80]!r} has shape {str(list(shape))[:80]}, whose extent "
+            f"overflows 64 bits even though it may hold no elements; the file is damaged"
+        )
 
 
 def nbytes(dtype: str, shape: tuple[int, ...]) -> int:

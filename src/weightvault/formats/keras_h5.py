@@ -8,7 +8,24 @@ layers is written once per layer) hold equal bytes and become copies.
 
 Contiguous, unfiltered datasets are slices of a read-only file map; chunked or
 compressed ones are read through h5py, after their size is checked against the bytes
-they occupy. External links and virtual datasets, which read other files, are refused.
+they occupy and charged to the file's :class:`~weightvault._limits.DecodeBudget` (so 300
+unwritten datasets cannot add up to gigabytes). A group reachable through two paths is
+refused, so groups hard-linked into each other cannot multiply the paths walked (2**21
+from a few kB); a dataset reachable through two paths is an alias, as above.
+
+Nothing but the given file is ever read. Refused, before any data is read:
+
+* external links, and datasets with EXTERNAL raw storage (their bytes live in other
+  files, which HDF5 would open by name);
+* virtual datasets (they map other files);
+* soft links. They cannot leave the file by themselves, but they resolve by path, so a
+  soft link through an external link elsewhere in the file would reach another file
+  before the walk met that link; Keras never writes them;
+* user-defined link types;
+* any filter but deflate, shuffle, Fletcher-32, scale-offset, n-bit and LZF, the ones
+  HDF5 and h5py decode themselves (another filter id would make HDF5 search its plugin
+  path for a shared library to load).
+
 bfloat16 datasets (opaque 2-byte values with the attribute ``dtype="bfloat16"``, as
 Keras writes them) read as bfloat16.
 """
@@ -21,8 +38,9 @@ from typing import Any
 
 from .._dtypes import ITEMSIZE, numel
 from .._errors import FormatError
+from .._limits import DecodeBudget
 from .._plan import Source
-from ._common import MAX_DIMS, ForeignCheckpoint, build, check_shape, map_file, need
+from ._common import MAX_DIMS, ForeignCheckpoint, build, check_shape, decoding, map_file, need
 
 #: numpy dtype kind + itemsize -> safetensors dtype name.
 KINDS = {
@@ -46,14 +64,26 @@ MAX_RATIO = 1100
 FILL_ALLOWANCE = 1 << 22
 MAX_DATASETS = 1_000_000
 FIX = "the file is damaged or was not written by Keras; save the weights again"
+#: HDF5 filter ids decoded by HDF5 itself or by h5py (LZF): deflate, shuffle,
+#: Fletcher-32, n-bit, scale-offset, LZF.
+FILTERS = {1: "deflate", 2: "shuffle", 3: "fletcher32", 5: "nbit", 6: "scaleoffset", 32000: "lzf"}
+ONLY_THIS_FILE = "weightvault reads no file but the one given"
 
 
-def open_keras_h5(path: str | os.PathLike[str]) -> ForeignCheckpoint:
+def open_keras_h5(
+    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
+) -> ForeignCheckpoint:
     """Open a Keras ``.weights.h5`` file as a checkpoint named by dataset paths.
 
+    Args:
+        path: The HDF5 file.
+        max_decoded_bytes: The most bytes chunked datasets and names may take in all;
+            ``None`` means the default of :mod:`weightvault._limits`.
+
     Raises:
-        FormatError: The file is not valid HDF5, links outside itself, or holds a
-            dataset that is not numeric (the message names it).
+        FormatError: The file is not valid HDF5, links or stores data outside itself,
+            uses a soft link or an unknown filter, holds a dataset that is not numeric
+            (the message names it), or decodes to more than the limit.
         BackendNotInstalled: h5py is not installed.
 
     Example:
@@ -63,15 +93,16 @@ def open_keras_h5(path: str | os.PathLike[str]) -> ForeignCheckpoint:
     """
     h5py = need("h5py", "reading Keras .weights.h5 files")
     where = os.fspath(path)
+    mm, size = map_file(where)
+    budget = DecodeBudget(where, size, max_decoded_bytes)
     try:
         f = h5py.File(where, "r")
     except (OSError, ValueError) as e:
         raise FormatError(f"{where}: not a readable HDF5 file ({str(e)[:120]}); {FIX}") from None
-    mm, _ = map_file(where)
     buf = memoryview(mm) if mm is not None else memoryview(b"")
     sources: list[Source] = []
     try:
-        _walk(h5py, f, "", [], sources, buf, where)
+        _walk(h5py, f, "", [], sources, buf, where, budget)
     except FormatError:
         raise
     except Exception as e:  # h5py raises OSError, KeyError, RuntimeError on bad files
@@ -80,7 +111,8 @@ def open_keras_h5(path: str | os.PathLike[str]) -> ForeignCheckpoint:
         ) from None
     finally:
         f.close()
-    return build(where, sources, "keras", keep=mm)
+    with decoding(where, FIX):
+        return build(where, sources, "keras", keep=mm)
 
 
 def _order(key: str) -> tuple[int, int, str]:
@@ -101,38 +133,94 @@ def _walk(
     out: list[Source],
     buf: memoryview,
     where: str,
+    budget: DecodeBudget,
+    groups: dict[Hashable, str] | None = None,
 ) -> None:
+    groups = {} if groups is None else groups
     if len(ancestors) > MAX_DIMS:
         raise FormatError(f"{where}: groups nested over {MAX_DIMS} deep at {prefix!r}; {FIX}")
-    for key in sorted(group.keys(), key=_order):
+    keys = list(group.keys())
+    for key in keys:
+        if not isinstance(key, str):  # h5py hands out names that are not UTF-8 as bytes
+            raise FormatError(
+                f"{where}: the name {bytes(key)[:80]!r} under {prefix!r} is not UTF-8; {FIX}"
+            )
+    for key in sorted(keys, key=_order):
         name = f"{prefix}{key}"
-        link = group.get(key, getlink=True)
+        budget.charge_name(name)
+        try:
+            link = group.get(key, getlink=True)
+        except TypeError:  # h5py's answer for a user-defined link type
+            link = None
         if isinstance(link, h5py.ExternalLink):
             raise FormatError(
-                f"{where}: {name!r} is an external link to {link.filename!r}; weightvault "
-                "reads no file but the one given. Copy the data into this file"
+                f"{where}: {name!r} is an external link to {link.filename[:200]!r}; "
+                f"{ONLY_THIS_FILE}. Copy the data into this file"
             )
+        if isinstance(link, h5py.SoftLink):
+            raise FormatError(
+                f"{where}: {name!r} is a soft link to {link.path[:200]!r}; soft links "
+                "resolve by path (possibly through another file), so only hard links are "
+                "read. Copy the data, or link it with a hard link"
+            )
+        if not isinstance(link, h5py.HardLink):
+            raise FormatError(f"{where}: {name!r} is a link of an unknown type; {FIX}")
         obj = group.get(key)
-        if obj is None:  # a dangling soft link
+        if obj is None:
             raise FormatError(f"{where}: {name!r} is a link to nothing; {FIX}")
         ident = _object_key(h5py, obj)
         if isinstance(obj, h5py.Group):
             if ident in ancestors:
                 raise FormatError(f"{where}: group {name!r} contains itself (a link cycle)")
-            _walk(h5py, obj, f"{name}/", [*ancestors, ident], out, buf, where)
+            if ident in groups:
+                raise FormatError(
+                    f"{where}: group {name!r} is also linked as {groups[ident]!r}; a group "
+                    f"linked twice makes every path under it twice, which Keras never does. {FIX}"
+                )
+            groups[ident] = name
+            _walk(h5py, obj, f"{name}/", [*ancestors, ident], out, buf, where, budget, groups)
         elif isinstance(obj, h5py.Dataset):
             if len(out) >= MAX_DATASETS:
                 raise FormatError(f"{where}: more than {MAX_DATASETS} datasets; {FIX}")
-            out.append(_dataset(h5py, obj, name, ident, buf, where))
+            out.append(_dataset(h5py, obj, name, ident, buf, where, budget))
 
 
-def _dataset(h5py: Any, ds: Any, name: str, ident: Hashable, buf: memoryview, where: str) -> Source:
-    np = need("numpy", "reading Keras .weights.h5 files")
-    if ds.is_virtual:
+def _check_storage(h5py: Any, ds: Any, name: str, where: str) -> None:
+    """Refuse storage that reads other files or needs a filter HDF5 would load as a plugin.
+
+    Checked on the dataset creation property list, before the dataset's bytes are read.
+    """
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_layout() == h5py.h5d.VIRTUAL:
         raise FormatError(
-            f"{where}: dataset {name!r} is virtual (it reads other files); weightvault reads "
-            "no file but the one given"
+            f"{where}: dataset {name!r} is virtual (it maps other files); {ONLY_THIS_FILE}"
         )
+    if dcpl.get_external_count() > 0:
+        other = dcpl.get_external(0)[0]
+        raise FormatError(
+            f"{where}: dataset {name!r} keeps its bytes in an external file "
+            f"({bytes(other)[:200]!r}); {ONLY_THIS_FILE}. Copy the data into this file"
+        )
+    for i in range(dcpl.get_nfilters()):
+        code = dcpl.get_filter(i)[0]
+        if code not in FILTERS:
+            raise FormatError(
+                f"{where}: dataset {name!r} uses HDF5 filter {code}, which is not one of "
+                f"{sorted(FILTERS.values())}; rewrite the file without it (h5repack -f NONE)"
+            )
+
+
+def _dataset(
+    h5py: Any,
+    ds: Any,
+    name: str,
+    ident: Hashable,
+    buf: memoryview,
+    where: str,
+    budget: DecodeBudget,
+) -> Source:
+    np = need("numpy", "reading Keras .weights.h5 files")
+    _check_storage(h5py, ds, name, where)
     dt = ds.dtype
     marked = ds.attrs.get("dtype")
     if isinstance(marked, bytes):
@@ -160,6 +248,7 @@ def _dataset(h5py: Any, ds: Any, name: str, ident: Hashable, buf: memoryview, wh
             f"{where}: dataset {name!r} is {dtype}{list(shape)} ({n} bytes) but occupies "
             f"only {stored} bytes of the file; {FIX}"
         )
+    budget.charge(f"dataset {name!r}", n)
     arr = ds[()] if n else np.empty(0, dtype=np.uint8)
     arr = np.ascontiguousarray(arr)
     if dtype != "BF16" and arr.dtype.byteorder == ">":

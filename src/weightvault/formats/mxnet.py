@@ -9,18 +9,22 @@ slices of a read-only file map: nothing is copied until a tensor is built. Spars
 
 Every count and size is checked against the bytes left in the file before it is used, so
 a crafted file raises :class:`~weightvault.FormatError` at once instead of allocating.
+Densified arrays are charged to the file's :class:`~weightvault._limits.DecodeBudget`
+before they are allocated, so many sparse arrays cannot add up to gigabytes either.
 MXNet 2's ``.npz`` files are read by :mod:`weightvault.formats.npz`.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
 from .._dtypes import ITEMSIZE, numel
 from .._errors import FormatError
+from .._limits import DecodeBudget
 from .._plan import Source
-from ._common import MAX_DIMS, ForeignCheckpoint, build, map_file, plain
+from ._common import MAX_DIMS, ForeignCheckpoint, build, decoding, map_file, plain
 
 LIST_MAGIC = 0x112
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
@@ -43,11 +47,6 @@ DTYPES = {
 STYPES = {0: "default", 1: "row_sparse", 2: "csr"}
 #: The smallest array record: a legacy array with no dims and no data (4 bytes).
 MIN_ARRAY_BYTES = 4
-
-#: Sparse arrays densify only up to this multiple of the file size (or MIN_DENSIFY_CAP
-#: bytes), so a crafted shape cannot make the reader allocate without bound.
-MAX_DENSIFY_RATIO = 64
-MIN_DENSIFY_CAP = 1 << 24
 
 #: Where a Gluon file comes from and how to make it loadable, for messages.
 FIX_DAMAGED = "the file is truncated or damaged; re-save it from MXNet or restore a good copy"
@@ -112,7 +111,9 @@ def is_mxnet(head: bytes) -> bool:
     return len(head) >= 16 and struct.unpack("<QQ", head[:16]) == (LIST_MAGIC, 0)
 
 
-def open_mxnet(path: str | os.PathLike[str]) -> ForeignCheckpoint:
+def open_mxnet(
+    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
+) -> ForeignCheckpoint:
     """Open an MXNet ``.params`` file as a checkpoint, its arrays named as in the file.
 
     A dict file keeps its keys (``arg:``/``aux:`` prefixes included; strip them with
@@ -120,8 +121,14 @@ def open_mxnet(path: str | os.PathLike[str]) -> ForeignCheckpoint:
     ``arr_1``, ... as ``numpy.savez`` would. Arrays with equal dtype, shape and bytes
     (Gluon's ``deduplicate=False`` copies of a shared parameter) are recorded as copies.
 
+    Args:
+        path: The ``.params`` file.
+        max_decoded_bytes: The most bytes sparse arrays may densify to in all; ``None``
+            means the default of :mod:`weightvault._limits` (or its environment variable).
+
     Raises:
-        FormatError: The file is malformed; the message names the array and the offset.
+        FormatError: The file is malformed, or densifying would pass the decode limit;
+            the message names the array and the offset.
 
     Example:
         >>> ckpt = open_mxnet("shared_dense_default.params")
@@ -130,6 +137,12 @@ def open_mxnet(path: str | os.PathLike[str]) -> ForeignCheckpoint:
     """
     where = os.fspath(path)
     mm, size = map_file(where)
+    budget = DecodeBudget(where, size, max_decoded_bytes)
+    with decoding(where, FIX_DAMAGED):
+        return _open(where, mm, size, budget)
+
+
+def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> ForeignCheckpoint:
     buf = memoryview(mm) if mm is not None else memoryview(b"")
     r = _Cursor(buf, where)
     if size < 24:
@@ -188,13 +201,10 @@ def open_mxnet(path: str | os.PathLike[str]) -> ForeignCheckpoint:
         if a.stype == 0:
             sources.append(plain(name, a.dtype, a.shape, a.data))
             continue
-        dense = numel(a.shape) * ITEMSIZE[a.dtype]
-        if dense > max(MAX_DENSIFY_RATIO * size, MIN_DENSIFY_CAP):
-            raise FormatError(
-                f"{where}: sparse ({STYPES[a.stype]}) array {name!r} would densify to "
-                f"{dense} bytes, over {MAX_DENSIFY_RATIO}x the file; densify it in MXNet "
-                "(arr.tostype('default')) and save again"
-            )
+        # Checked before the dense buffer exists; densifying in MXNet avoids the limit.
+        budget.charge(
+            f"sparse ({STYPES[a.stype]}) array {name!r}", numel(a.shape) * ITEMSIZE[a.dtype]
+        )
         sources.append(plain(name, a.dtype, a.shape, _densify(where, name, a)))
     return build(where, sources, "mxnet", keep=mm)
 
@@ -322,9 +332,11 @@ def _densify(where: str, name: str, a: _Array) -> bytearray:
         raise bad(f"{len(indptr)} row pointers and {len(cols)} columns do not fit {n_rows} rows")
     if indptr[0] != 0 or indptr[-1] != len(cols):
         raise bad(f"row pointers run from {indptr[0]} to {indptr[-1]}, not 0 to {len(cols)}")
+    # All pointers are checked before any is used, so none can index past the columns.
     for r in range(n_rows):
         if indptr[r] > indptr[r + 1]:
             raise bad(f"row pointers decrease at row {r}")
+    for r in range(n_rows):
         for k in range(indptr[r], indptr[r + 1]):
             c = cols[k]
             if not 0 <= c < n_cols:

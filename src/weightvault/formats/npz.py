@@ -7,6 +7,10 @@ members (``np.savez``, MXNet) are handed out as slices of a file map instead of 
 Each member ``<name>.npy`` becomes the name ``<name>``; a single ``.npy`` is ``arr_0``.
 Equal arrays under different names are recorded as copies.
 
+Inflated members and byte-swapped or Fortran-order arrays are new memory: each is charged
+to the file's :class:`~weightvault._limits.DecodeBudget` before it is allocated, so a
+deflate bomb is refused however its members add up.
+
 MXNet 2 stores a sparse array as a folder (``w/data.npy``, ``w/indices.npy``,
 ``w/format.npy``, ...); such arrays are refused with a message naming them.
 """
@@ -14,18 +18,22 @@ MXNet 2 stores a sparse array as a folder (``w/data.npy``, ``w/indices.npy``,
 from __future__ import annotations
 
 import ast
+import mmap
 import os
 import struct
 import zipfile
+import zlib
 from typing import Any
 
 from .._dtypes import ITEMSIZE, numel
 from .._errors import FormatError
+from .._limits import DecodeBudget
 from .._plan import Source
 from ._common import (
     ForeignCheckpoint,
     build,
     check_shape,
+    decoding,
     map_file,
     need,
     plain,
@@ -57,12 +65,19 @@ SPARSE_PARTS = frozenset({"data.npy", "indices.npy", "indptr.npy", "shape.npy", 
 FIX = "the file is truncated or damaged; save it again with numpy.savez"
 
 
-def open_npz(path: str | os.PathLike[str]) -> ForeignCheckpoint:
+def open_npz(
+    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
+) -> ForeignCheckpoint:
     """Open a ``.npz`` archive or a single ``.npy`` file as a checkpoint.
+
+    Args:
+        path: The ``.npz`` or ``.npy`` file.
+        max_decoded_bytes: The most bytes inflating and byte-swapping may allocate in all;
+            ``None`` means the default of :mod:`weightvault._limits`.
 
     Raises:
         FormatError: An array is malformed, pickled (``dtype=object``), of an unsupported
-            dtype, or sparse; the message names it.
+            dtype, or sparse, or decoding would pass the limit; the message names it.
 
     Example:
         >>> import numpy as np
@@ -71,10 +86,16 @@ def open_npz(path: str | os.PathLike[str]) -> ForeignCheckpoint:
         'copy'
     """
     where = os.fspath(path)
-    mm, _ = map_file(where)
+    mm, size = map_file(where)
+    budget = DecodeBudget(where, size, max_decoded_bytes)
+    with decoding(where, FIX):
+        return _open(where, mm, budget)
+
+
+def _open(where: str, mm: mmap.mmap | None, budget: DecodeBudget) -> ForeignCheckpoint:
     buf = memoryview(mm) if mm is not None else memoryview(b"")
     if bytes(buf[:6]) == b"\x93NUMPY":
-        return build(where, [_array(where, "arr_0", buf)], "numpy", keep=mm)
+        return build(where, [_array(where, "arr_0", buf, budget)], "numpy", keep=mm)
     sources: list[Source] = []
     try:
         z = zipfile.ZipFile(where)
@@ -101,25 +122,46 @@ def open_npz(path: str | os.PathLike[str]) -> ForeignCheckpoint:
             if name in names:
                 raise FormatError(f"{where}: array {name!r} appears twice; {FIX}")
             names.add(name)
-            sources.append(_array(where, name, _member(z, info, buf, where, name)))
+            raw = _member(z, info, buf, where, name, budget)
+            sources.append(_array(where, name, raw, budget))
     return build(where, sources, "numpy", keep=mm)
 
 
 def _member(
-    z: zipfile.ZipFile, info: zipfile.ZipInfo, buf: memoryview, where: str, name: str
+    z: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    buf: memoryview,
+    where: str,
+    name: str,
+    budget: DecodeBudget,
 ) -> memoryview:
     if info.compress_type == zipfile.ZIP_STORED:
         return stored_zip_member(info, buf, where, f"array {name!r}", FIX)
+    if info.compress_type != zipfile.ZIP_DEFLATED:
+        # bzip2 and lzma compress far better than deflate, so the ratio check below would
+        # not hold for them; numpy never writes them.
+        raise FormatError(
+            f"{where}: array {name!r} uses zip compression method {info.compress_type}, "
+            "which numpy never writes; save it again with numpy.savez"
+        )
     # np.savez_compressed: inflate, but only as much as the archive can honestly hold.
     if info.file_size > MAX_DEFLATE_RATIO * max(info.compress_size, 1) + (1 << 20):
         raise FormatError(
             f"{where}: array {name!r} claims {info.file_size} bytes from "
             f"{info.compress_size} compressed; {FIX}"
         )
+    # Each member passes the ratio check alone; the budget bounds what they add up to.
+    budget.charge(f"array {name!r} (inflated)", info.file_size)
     try:
         with z.open(info) as f:
             data = f.read(info.file_size + 1)
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+    except (
+        zipfile.BadZipFile,
+        OSError,
+        EOFError,
+        ValueError,
+        zlib.error,
+    ) as e:
         raise FormatError(f"{where}: array {name!r} cannot be inflated ({e}); {FIX}") from None
     if len(data) != info.file_size:
         raise FormatError(f"{where}: array {name!r} is not the size its zip entry records")
@@ -159,7 +201,7 @@ def parse_header(raw: memoryview, where: str, name: str) -> tuple[dict[str, Any]
     return doc, start + length
 
 
-def _array(where: str, name: str, raw: memoryview) -> Source:
+def _array(where: str, name: str, raw: memoryview, budget: DecodeBudget) -> Source:
     doc, start = parse_header(raw, where, name)
     descr, fortran = doc["descr"], doc["fortran_order"]
     shape = check_shape(where, name, doc["shape"])
@@ -179,6 +221,7 @@ def _array(where: str, name: str, raw: memoryview) -> Source:
     data = raw[start:]
     swap = descr[0] == ">" and ITEMSIZE[dtype] > 1
     if swap or fortran is True:
+        budget.charge(f"array {name!r} (byte-swapped or Fortran-order copy)", n)
         data = _normalise(data, dtype, shape, swap, fortran is True)
     return plain(name, dtype, shape, data)
 

@@ -15,6 +15,14 @@ Tensors that share a storage come through as aliases (same layout) or views (ove
 parts), exactly as :func:`weightvault.torch.save` would record them; equal bytes under
 different names become copies. Nested dicts (``{"model": state_dict, ...}``) are
 flattened with ``.``; values that are not tensors (an epoch number) are left out.
+
+What decoding allocates is charged to the file's
+:class:`~weightvault._limits.DecodeBudget` first: every name the flattening makes (a dict
+referenced from many places would otherwise multiply them), ``data.pkl`` itself, and
+every tensor that is not contiguous in its storage (a stride-0 tensor of 2**28 elements
+over 4 bytes would otherwise be expanded in full). The scan also refuses memo indices
+beyond the pickle's own length, which would make the C unpickler size its memo table
+by them.
 """
 
 from __future__ import annotations
@@ -33,8 +41,16 @@ from typing import Any
 
 from .._dtypes import ITEMSIZE, numel
 from .._errors import FormatError, capped
+from .._limits import DecodeBudget
 from .._plan import Source
-from ._common import ForeignCheckpoint, build, map_file, stored_zip_member, strided
+from ._common import (
+    ForeignCheckpoint,
+    build,
+    decoding,
+    map_file,
+    stored_zip_member,
+    strided,
+)
 
 #: Typed storage classes -> the dtype of their elements.
 STORAGES = {
@@ -96,6 +112,9 @@ _STRING_OPS = frozenset(
     | {"SHORT_BINSTRING", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8"}
 )
 _NO_PUSH_OPS = frozenset({"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "PROTO", "FRAME", "STOP"})
+FIX_DAMAGED = "the file is truncated or damaged; save it again with torch.save"
+#: Dict keys that become part of a name; their text is bounded by the pickle's own bytes.
+KEY_TYPES = (str, int, float, type(None))
 FIX_UNSAFE = (
     "save only the weights (torch.save(model.state_dict(), path)) or, if you trust the "
     "file, load it yourself and save it with weightvault.torch.save"
@@ -151,9 +170,20 @@ def scan(stream: Any, where: str) -> list[str]:
     found: list[str] = []
     memo: dict[int, object] = {}
     recent: list[object] = []  # values of the last pushes; strings where known
+    ops = 0
     try:
         for op, arg, _ in pickletools.genops(stream):
             name = op.name
+            ops += 1
+            # Picklers number memo slots 0, 1, 2, ...; the C unpickler sizes its memo
+            # table by the largest index, so a 5-byte LONG_BINPUT could cost gigabytes.
+            if name in ("PUT", "BINPUT", "LONG_BINPUT") and (
+                not isinstance(arg, int) or not 0 <= arg < ops
+            ):
+                raise FormatError(
+                    f"{where}: refused: the pickle stores memo slot {str(arg)[:40]} after "
+                    f"only {ops} opcodes, which no pickler writes; {FIX_DAMAGED}"
+                )
             if name in ("GLOBAL", "INST"):
                 module, _, attr = str(arg).partition(" ")
                 found.append(_allow(f"{module}.{attr}", where))
@@ -212,7 +242,15 @@ def _allow(qualified: str, where: str) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def _zip_pickle(z: zipfile.ZipFile, where: str) -> tuple[str, bytes]:
+def _head(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """The first 16 bytes of a member; a compressed member is never inflated further."""
+    with z.open(info) as f:
+        return f.read(16)
+
+
+def _zip_pickle(
+    z: zipfile.ZipFile, where: str, budget: DecodeBudget | None = None
+) -> tuple[str, bytes]:
     """The archive prefix and the bytes of ``<prefix>/data.pkl``."""
     pkls = [i for i in z.infolist() if re.fullmatch(r"[^/]+/data\.pkl", i.filename)]
     if len(pkls) != 1:
@@ -224,12 +262,14 @@ def _zip_pickle(z: zipfile.ZipFile, where: str) -> tuple[str, bytes]:
     if info.file_size > MAX_PICKLE_BYTES:
         raise FormatError(f"{where}: data.pkl claims {info.file_size} bytes; the file is damaged")
     prefix = info.filename.rsplit("/", 1)[0]
+    if budget is not None:
+        budget.charge("data.pkl", info.file_size)
     with z.open(info) as f:
         data = f.read(info.file_size + 1)
     if len(data) != info.file_size:
         raise FormatError(f"{where}: data.pkl is not the size its zip entry records")
     order = _zip_member(z, f"{prefix}/byteorder")
-    if order is not None and z.read(order)[:16] not in (b"little", b""):
+    if order is not None and _head(z, order) not in (b"little", b""):
         raise FormatError(
             f"{where}: tensors were saved big-endian; load the file with torch on a "
             "big-endian machine and save it again"
@@ -266,12 +306,20 @@ def _legacy_pickles(buf: memoryview, where: str) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def open_torch(path: str | os.PathLike[str]) -> ForeignCheckpoint:
+def open_torch(
+    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
+) -> ForeignCheckpoint:
     """Open a ``torch.save`` file safely as a checkpoint.
 
+    Args:
+        path: The ``.pt``/``.pth``/``.bin`` file.
+        max_decoded_bytes: The most bytes names, ``data.pkl`` and non-contiguous tensors
+            may take in all; ``None`` means the default of :mod:`weightvault._limits`.
+
     Raises:
-        FormatError: The pickle references a forbidden global (named in the message), or
-            the file is malformed or holds no dict of tensors.
+        FormatError: The pickle references a forbidden global (named in the message), the
+            file is malformed or holds no dict of tensors, or decoding would pass the
+            limit.
 
     Example:
         >>> ckpt = open_torch("pytorch_model.bin")
@@ -279,10 +327,17 @@ def open_torch(path: str | os.PathLike[str]) -> ForeignCheckpoint:
         'alias'
     """
     where = os.fspath(path)
+    size = os.stat(where).st_size  # a missing file is an OSError, not damage
+    with decoding(where, FIX_DAMAGED):
+        return _open(where, size, max_decoded_bytes)
+
+
+def _open(where: str, size: int, limit: int | None) -> ForeignCheckpoint:
+    budget = DecodeBudget(where, size, limit)
     try:
         with zipfile.ZipFile(where) as z:
             is_zip = True
-            _, data = _zip_pickle(z, where)
+            _, data = _zip_pickle(z, where, budget)
         scan(io.BytesIO(data), where)
     except zipfile.BadZipFile:
         is_zip = False
@@ -308,23 +363,38 @@ def open_torch(path: str | os.PathLike[str]) -> ForeignCheckpoint:
                 f"{where}: the legacy (pre-1.6) torch.save format needs PyTorch to read; "
                 "install torch, or re-save the file with a current torch"
             ) from None
-        return _open_without_torch(where)
-    return _open_with_torch(where, is_zip)
+        return _open_without_torch(where, budget)
+    return _open_with_torch(where, is_zip, budget)
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, Any], is_tensor: Any, depth: int = 0) -> None:
+def _flatten(
+    obj: Any,
+    prefix: str,
+    out: dict[str, Any],
+    is_tensor: Any,
+    budget: DecodeBudget,
+    depth: int = 0,
+) -> None:
     if depth > 32:
         raise FormatError("dicts nested more than 32 deep")
     if isinstance(obj, dict):
         for k, v in obj.items():
+            if not isinstance(k, KEY_TYPES):
+                # A tuple key could nest shared tuples whose text is exponentially long.
+                raise FormatError(
+                    f"a dict under {prefix[:80]!r} has a {type(k).__name__} key; state dict "
+                    "keys are strings"
+                )
             name = f"{prefix}.{k}" if prefix else str(k)
+            # Charged per visit: one dict referenced from many places is walked each time.
+            budget.charge_name(name)
             if is_tensor(v):
                 out[name] = v
             else:
-                _flatten(v, name, out, is_tensor, depth + 1)
+                _flatten(v, name, out, is_tensor, budget, depth + 1)
 
 
-def _tensors(obj: Any, where: str, is_tensor: Any) -> dict[str, Any]:
+def _tensors(obj: Any, where: str, is_tensor: Any, budget: DecodeBudget) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise FormatError(
             f"{where}: holds a {type(obj).__name__}, not a dict of tensors; save a "
@@ -332,20 +402,21 @@ def _tensors(obj: Any, where: str, is_tensor: Any) -> dict[str, Any]:
         )
     out: dict[str, Any] = {}
     try:
-        _flatten(obj, "", out, is_tensor)
+        _flatten(obj, "", out, is_tensor, budget)
     except FormatError as e:
-        raise FormatError(f"{where}: {e}") from None
+        msg = str(e)
+        raise FormatError(msg if msg.startswith(where) else f"{where}: {msg}") from None
     return out
 
 
-def _open_with_torch(where: str, is_zip: bool) -> ForeignCheckpoint:
+def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignCheckpoint:
     import torch
     from torch import nn
 
     from ..torch import _layout_identity, _source
 
     if is_zip:
-        _validate_zip(where)
+        _validate_zip(where, budget.requested)
     try:
         obj = torch.load(where, map_location="cpu", weights_only=True, mmap=is_zip)
     except Exception as e:
@@ -354,7 +425,7 @@ def _open_with_torch(where: str, is_zip: bool) -> ForeignCheckpoint:
             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
             f"{FIX_UNSAFE}"
         ) from None
-    tensors = _tensors(obj, where, lambda v: isinstance(v, torch.Tensor))
+    tensors = _tensors(obj, where, lambda v: isinstance(v, torch.Tensor), budget)
     sources: list[Source] = []
     for name, t in tensors.items():
         if t.layout != torch.strided or t.is_quantized:
@@ -362,6 +433,8 @@ def _open_with_torch(where: str, is_zip: bool) -> ForeignCheckpoint:
                 f"{where}: tensor {name!r} is {t.layout} / quantized, which safetensors cannot "
                 "store; convert it to a dense tensor and save again"
             )
+        if not t.is_contiguous():
+            _charge_strided(budget, name, t.numel() * t.element_size())
         frozen = isinstance(t, nn.Parameter) and not t.requires_grad
         try:
             sources.append(_source(name, t, _layout_identity(t), frozen))
@@ -521,10 +594,10 @@ def _stored_data(
     return stored_zip_member(info, buf, where, f"zip entry {info.filename!r}")
 
 
-def _unpickle_zip(where: str, buf: memoryview) -> Any:
+def _unpickle_zip(where: str, buf: memoryview, budget: DecodeBudget) -> Any:
     """The zip file's object, its tensors as stand-ins over ``buf``, every bound checked."""
     with zipfile.ZipFile(where) as z:
-        prefix, data = _zip_pickle(z, where)
+        prefix, data = _zip_pickle(z, where, budget)
         cache: dict[str, _Storage] = {}
 
         def storage(key: str, dtype: str, count: int) -> _Storage:
@@ -552,25 +625,36 @@ def _unpickle_zip(where: str, buf: memoryview) -> Any:
             ) from None
 
 
-def _open_without_torch(where: str) -> ForeignCheckpoint:
+def _charge_strided(budget: DecodeBudget, name: str, nbytes: int) -> None:
+    budget.charge(f"tensor {name!r} (not contiguous, so copied)", nbytes)
+
+
+def _open_without_torch(where: str, budget: DecodeBudget) -> ForeignCheckpoint:
     mm, _ = map_file(where)
-    assert mm is not None
-    obj = _unpickle_zip(where, memoryview(mm))
-    tensors = _tensors(obj, where, lambda v: isinstance(v, _Tensor))
+    if mm is None:
+        raise FormatError(f"{where}: the file is empty")
+    obj = _unpickle_zip(where, memoryview(mm), budget)
+    tensors = _tensors(obj, where, lambda v: isinstance(v, _Tensor), budget)
+    for name, t in tensors.items():
+        if not _contiguous(t.shape, t.stride):
+            _charge_strided(budget, name, numel(t.shape) * ITEMSIZE[t.dtype])
     return build(where, [_source(n, t) for n, t in tensors.items()], "pt", keep=mm)
 
 
-def _validate_zip(where: str) -> None:
+def _validate_zip(where: str, limit: int | None) -> None:
     """Check every tensor lies inside its storage entry before torch maps the file.
 
     ``torch.load(mmap=True)`` trusts the sizes in the pickle, so a crafted file could
     make a tensor read past its entry into the rest of the file.
     """
-    mm, _ = map_file(where)
-    assert mm is not None
+    mm, size = map_file(where)
+    if mm is None:
+        raise FormatError(f"{where}: the file is empty")
+    # Its own budget: this pass only checks, and the real open charges the same names.
+    budget = DecodeBudget(where, size, limit)
     buf = memoryview(mm)
     try:
-        _tensors(_unpickle_zip(where, buf), where, lambda v: isinstance(v, _Tensor))
+        _tensors(_unpickle_zip(where, buf, budget), where, lambda v: isinstance(v, _Tensor), budget)
     finally:
         buf.release()
         with contextlib.suppress(BufferError):
