@@ -7,7 +7,11 @@ whose value is a JSON document::
     {"version": 1, "checksum": "xxh3_64", "sums": {stored: hex},
      "aliases": {alias: kept}, "copies": {copy: stored},
      "views": {name: [base, dtype, shape, stride, byte_offset]},
-     "frozen": [...], "names": [... every name, model order ...], "metadata": {...}}
+     "frozen": [...], "names": [... every name, model order ...], "metadata": {...},
+     "training": {...}}
+
+``"training"`` (optimizer, scheduler and RNG state) is present only in checkpoints saved
+with them; :mod:`weightvault._training` describes it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Manifest:
     metadata: dict[str, str] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     ours: bool = True
+    training: dict[str, Any] | None = None
 
     def encode(self) -> str:
         views = {
@@ -81,6 +86,9 @@ class Manifest:
             "names": self.names,
             "metadata": self.metadata,
         }
+        if self.training is not None:
+            # Only when present, so weights-only files keep their bytes.
+            doc["training"] = self.training
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -119,6 +127,7 @@ def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], wher
         sums=_str_map(doc.get("sums", {}), "sums", where),
         checksum=doc.get("checksum"),
         metadata=_str_map(doc.get("metadata", {}), "metadata", where),
+        training=None if doc.get("training") is None else _dict(doc["training"], "training", where),
     )
     _validate(m, tensors, where)
     return m

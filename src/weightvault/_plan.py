@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._dtypes import ITEMSIZE, numel
 from ._manifest import CHECKSUM_ALGORITHM, INTERNAL_PREFIX, Manifest, View
@@ -99,6 +100,8 @@ class Plan:
     frozen: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     logical_bytes: int = 0
+    #: The manifest's ``"training"`` section (see :mod:`weightvault._training`), if any.
+    training: dict[str, Any] | None = None
 
     @property
     def stored_bytes(self) -> int:
@@ -122,6 +125,7 @@ class Plan:
             sums=dict(sums or {}),
             metadata=dict(metadata or {}),
             ours=ours,
+            training=self.training,
         )
 
 

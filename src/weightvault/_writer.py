@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -14,6 +15,7 @@ from ._header import TensorInfo, encode_header
 from ._manifest import CHECKSUM_WIDTH, MANIFEST_KEY, Manifest
 from ._plan import Plan, Source, Stored, plan
 from ._reports import SaveReport
+from ._training import with_training
 
 Progress = Callable[[int], None]
 
@@ -116,12 +118,13 @@ def save_sources(
     dedupe_copies: bool = True,
     skipped: list[str] | None = None,
     dry_run: bool = False,
+    training: dict[str, Any] | None = None,
 ) -> SaveReport:
     """Plan ``sources`` and write them to ``path``: the save every adapter shares.
 
     With ``dry_run`` nothing is written and ``file_bytes`` is 0.
     """
-    p = plan(sources, dedupe_copies=dedupe_copies)
+    p = with_training(plan(sources, dedupe_copies=dedupe_copies), training)
     file_bytes = 0
     if not dry_run:
         file_bytes = write(path, p, framework=framework, metadata=metadata, checksum=checksum)
