@@ -188,7 +188,7 @@ def test_freeze_and_unfreeze_map_by_name_and_strictness_applies(tmp_path: Path) 
     wv.save(c, path, optimizer=opt_c)
     d = mlp(1)
     opt_d = torch.optim.AdamW(d.parameters(), lr=0.01)
-    with pytest.raises(KeyMismatchError, match="no record of 0.weight"):
+    with pytest.raises(KeyMismatchError, match=r"no record of 0\.weight"):
         wv.load(d, path, optimizer=opt_d)
     report = wv.load(d, path, optimizer=opt_d, strict=False)
     assert report.optimizer is not None
