@@ -8,6 +8,7 @@ because its numbers come from a benchmark run, not from an example.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -100,6 +101,8 @@ def test_finetune_demo_runs_tiny(tmp_path):
         text=True,
         timeout=300,
         cwd=tmp_path,
+        # This checkout's source, not whichever weightvault the interpreter has installed.
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outputs identical to the trained model: True" in result.stdout
