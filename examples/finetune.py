@@ -2,10 +2,14 @@
 
 This is what ``make demo`` runs. It builds GPT-2 small (124M parameters) from its config
 with random weights (nothing is downloaded), freezes everything but the last block and
-the final LayerNorm, trains on synthetic tokens, and saves a checkpoint into
-``./demo-vault`` every few steps. Only the trained tensors cost new bytes; the frozen
-backbone is stored once. At the end it reloads the last checkpoint into a fresh model and
-checks that the outputs are identical.
+the final LayerNorm, trains with dropout on synthetic tokens, and saves a checkpoint with
+the optimizer, the LR scheduler and the RNG states into ``./demo-vault`` every few steps,
+in the background. Half-way it simulates a restart: fresh objects (another seed, the
+optimizer's parameters in another order) resume from the vault's latest checkpoint, and
+the run continues. It checks that losses and parameters are bitwise identical to an
+uninterrupted run. Only the trained tensors and their AdamW state cost new bytes; the
+frozen backbone is stored once. At the end it reloads the last checkpoint into a fresh
+model and checks that the outputs are identical.
 
 Run it with ``make demo`` or ``.venv/bin/python examples/finetune.py [--steps N]``.
 """
@@ -33,60 +37,108 @@ MiB = 2**20
 def build(seed: int, tiny: bool = False) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500) if tiny else GPT2Config()
-    model = GPT2LMHeadModel(config)
-    model.eval()  # no dropout, so two identical models give identical outputs
-    return model
+    return GPT2LMHeadModel(config)
+
+
+def setup(
+    seed: int, tiny: bool, reverse: bool = False
+) -> tuple[GPT2LMHeadModel, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, int]:
+    """The model with only its last block and ln_f trainable, AdamW and an LR warm-up."""
+    model = build(seed, tiny)
+    model.train()  # dropout on: resuming exactly needs the RNG state too
+    last = model.config.n_layer - 1
+    wv.freeze(model)
+    head = wv.unfreeze(model, f"transformer.h.{last}.*", "transformer.ln_f.*")
+    params = wv.trainable(model)
+    # A restarted job may list parameters in another order; state is matched by name.
+    optimizer = torch.optim.AdamW(params[::-1] if reverse else params, lr=1e-4, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    return model, optimizer, scheduler, len(head)
+
+
+def train_step(model, optimizer, scheduler, batch) -> float:  # type: ignore[no-untyped-def]
+    loss = model(batch, labels=batch).loss
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return float(loss.item())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="training steps")
+    parser.add_argument("--steps", type=int, default=8, help="training steps")
     parser.add_argument("--every", type=int, default=2, help="save every N steps")
+    parser.add_argument("--stop", type=int, default=4, help="simulate a restart after this step")
     parser.add_argument("--vault", default="demo-vault", help="where the vault lives")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT-2, for smoke tests")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     hf_logging.set_verbosity_error()
 
-    model = build(seed=0, tiny=args.tiny)
-    last = model.config.n_layer - 1
-    everything = wv.freeze(model)
-    head = wv.unfreeze(model, f"transformer.h.{last}.*", "transformer.ln_f.*")
-    trainable = wv.trainable(model)
-    n_train = sum(p.numel() for p in trainable)
+    model, optimizer, scheduler, n_head = setup(seed=0, tiny=args.tiny)
+    n_train = sum(p.numel() for p in wv.trainable(model))
     n_all = sum(p.numel() for p in model.parameters())
     print(
-        f"GPT-2: {n_all / 1e6:.1f}M parameters; frozen {len(everything) - len(head)} "
-        f"names, training {len(head)} names ({n_train / 1e6:.1f}M parameters)"
+        f"GPT-2: {n_all / 1e6:.1f}M parameters; training {n_head} names "
+        f"({n_train / 1e6:.1f}M parameters), the rest frozen"
     )
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (8, 4, 32), generator=generator)
+
+    # The reference: one uninterrupted run, no checkpoints.
+    reference = [train_step(model, optimizer, scheduler, tokens[s % 8]) for s in range(args.steps)]
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     if os.path.exists(args.vault):
         shutil.rmtree(args.vault)  # a fresh run each time the demo is started
     vault = weightvault.Vault(args.vault)
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, model.config.vocab_size, (8, 4, 32), generator=generator)
-
+    model, optimizer, scheduler, _ = setup(seed=0, tiny=args.tiny)
     started = time.perf_counter()
     save_seconds = 0.0
+    losses: list[float] = []
+    handle = None
     for step in range(1, args.steps + 1):
-        batch = tokens[step % len(tokens)]
-        loss = model(batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        if step == args.stop + 1:
+            # Simulate a restart: new objects (another seed, another parameter order),
+            # everything restored from the vault's latest checkpoint.
+            handle.wait()  # type: ignore[union-attr]
+            model, optimizer, scheduler, _ = setup(seed=123, tiny=args.tiny, reverse=True)
+            report = vault.load(model, "latest", optimizer=optimizer, scheduler=scheduler, rng=True)
+            assert report.optimizer is not None
+            print(
+                f"  -- restarted: resumed {vault.list()[-1].name} into fresh objects; optimizer "
+                f"state for {len(report.optimizer.loaded)} parameters, restored "
+                f"{', '.join(report.restored)}"
+            )
+        losses.append(train_step(model, optimizer, scheduler, tokens[(step - 1) % 8]))
         if step % args.every == 0:
             t = time.perf_counter()
-            record = vault.save(model, metadata={"step": str(step), "loss": f"{loss.item():.4f}"})
+            meta = {"step": str(step), "loss": f"{losses[-1]:.4f}"}
+            # In the background: training goes on while the checkpoint is written.
+            handle = vault.save(
+                model, optimizer=optimizer, scheduler=scheduler, rng=True, metadata=meta,
+                background=True,
+            )  # fmt: skip
             save_seconds += time.perf_counter() - t
+            record = handle.wait() if step == args.steps else None
             print(
-                f"  step {step:3d}  loss {loss.item():.4f}  saved {record.name}: "
-                f"{record.new_bytes / MiB:7.1f} MiB new"
+                f"  step {step:3d}  loss {losses[-1]:.4f}  saving in the background"
+                + (f" (committed {record.name})" if record else "")
             )
+    assert handle is not None
+    handle.wait()
     print(
         f"trained {args.steps} steps in {time.perf_counter() - started:.1f} s "
-        f"(of which saving {save_seconds:.2f} s)\n"
+        f"(of which blocked by saves {save_seconds:.2f} s)"
     )
+    same_params = all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    print(
+        f"stopped after step {args.stop} and resumed: losses identical to the uninterrupted "
+        f"run: {losses == reference}; parameters bitwise identical: {same_params}\n"
+    )
+    if losses != reference or not same_params:
+        raise SystemExit("the resumed run differs from the uninterrupted one")
 
     records = vault.list()
     rows = [("checkpoint", "step", "logical MiB", "new MiB", "vault MiB", "files MiB")]
@@ -113,15 +165,16 @@ def main() -> None:
         f"{files_total / MiB:.1f} MiB ({files_total / disk:.1f}x more)"
     )
 
-    fresh = build(seed=123, tiny=args.tiny)
+    fresh = build(seed=123, tiny=args.tiny).eval()
+    model.eval()  # no dropout, so two identical models give identical outputs
     batch = tokens[0]
     with torch.no_grad():
         before = fresh(batch).logits
-        expected = model(batch).logits
+        expected_logits = model(batch).logits
     report = vault.load(fresh, "latest", restore_frozen=True)
     with torch.no_grad():
         after = fresh(batch).logits
-    same = torch.equal(after, expected)
+    same = torch.equal(after, expected_logits)
     print(
         f"reloaded {records[-1].name} into a fresh GPT-2: {len(report.loaded)} names loaded, "
         f"{len(report.frozen)} frozen again, missing={report.missing}, "
@@ -129,7 +182,7 @@ def main() -> None:
     )
     print(
         f"outputs identical to the trained model: {same} "
-        f"(max abs difference before loading {float((before - expected).abs().max()):.3f})"
+        f"(max abs difference before loading {float((before - expected_logits).abs().max()):.3f})"
     )
     png = plot(vault, os.path.join(args.vault, "bytes.png"))
     print(f"picture of bytes on disk: {png}")

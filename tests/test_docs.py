@@ -8,6 +8,7 @@ because its numbers come from a benchmark run, not from an example.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -95,12 +96,16 @@ def test_finetune_demo_runs_tiny(tmp_path):
     """`make demo`'s script, on a 2-layer GPT-2: checkpoints cost only the trained block."""
     script = Path(__file__).resolve().parents[1] / "examples" / "finetune.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--tiny", "--steps", "4", "--vault", str(tmp_path / "v")],
+        [sys.executable, str(script), "--tiny", "--steps", "4", "--stop", "2", "--vault", "v"],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=tmp_path,
+        # This checkout's source, not whichever weightvault the interpreter has installed.
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outputs identical to the trained model: True" in result.stdout
+    assert "-- restarted: resumed 000001" in result.stdout
+    assert "parameters bitwise identical: True" in result.stdout
     assert (tmp_path / "v" / "bytes.png").exists()

@@ -16,6 +16,7 @@ files; each framework has its own module with the same verbs (``weightvault.torc
 
 from __future__ import annotations
 
+from ._background import SaveHandle
 from ._convert import convert
 from ._errors import (
     BackendNotInstalled,
@@ -33,7 +34,7 @@ from ._errors import (
     WeightvaultError,
 )
 from ._inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
-from ._reports import LoadReport, SaveReport
+from ._reports import LoadReport, OptimizerReport, SaveReport
 from ._vault import CheckpointRecord, Vault, VaultVerifyReport
 
 __version__ = "0.1.0"
@@ -50,8 +51,10 @@ __all__ = [
     "Inspection",
     "KeyMismatchError",
     "LoadReport",
+    "OptimizerReport",
     "ReservedNameError",
     "RuleError",
+    "SaveHandle",
     "SaveReport",
     "ShapeMismatchError",
     "TieConflictError",

@@ -20,6 +20,7 @@ from ._errors import RuleError
 from ._plan import Source
 from ._reader import Checkpoint, Entry, opened
 from ._reports import SaveReport
+from ._training import is_training
 
 PathLike = str | os.PathLike[str]
 
@@ -177,6 +178,14 @@ def rewrite(
     and copies are stored again (or, with ``dedupe_copies``, once).
     """
     sources, dropped = _sources(ckpt, rules)
+    training = ckpt.manifest.training
+    if training is not None and not rules:
+        # Optimizer, scheduler and RNG state travel with an unrenamed copy (an export).
+        for name, info in ckpt.stored.items():
+            if is_training(name):
+                sources.append(_raw_source(ckpt, name, info.dtype, info.shape))
+    else:
+        training = None
     return _writer.save_sources(
         dst,
         sources,
@@ -186,4 +195,9 @@ def rewrite(
         dedupe_copies=dedupe_copies,
         skipped=dropped,
         dry_run=dry_run,
+        training=training,
     )
+
+
+def _raw_source(ckpt: Checkpoint, name: str, dtype: str, shape: tuple[int, ...]) -> Source:
+    return Source(name, dtype, shape, ("training", name), lambda: ckpt.raw(name))

@@ -11,6 +11,7 @@ from ._errors import FormatError
 from ._manifest import FORMAT_VERSION
 from ._plan import same_bytes
 from ._reader import Checkpoint, open_checkpoint, opened
+from ._training import is_training
 
 PathLike = str | os.PathLike[str] | Checkpoint
 
@@ -101,7 +102,11 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
         format_version=FORMAT_VERSION if m.ours else None,
         checksum=m.checksum,
         framework=ckpt.framework,
-        shared_storage={n: t.nbytes for n, t in ckpt.stored.items() if ckpt.is_internal(n)},
+        shared_storage={
+            n: t.nbytes
+            for n, t in ckpt.stored.items()
+            if ckpt.is_internal(n) and not is_training(n)
+        },
         container=ckpt.container,
         duplicates=dict(m.duplicates),
     )

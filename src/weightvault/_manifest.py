@@ -8,12 +8,14 @@ whose value is a JSON document::
      "aliases": {alias: kept}, "copies": {copy: stored},
      "views": {name: [base, dtype, shape, stride, byte_offset]},
      "frozen": [...], "names": [... every name, model order ...], "metadata": {...},
-     "duplicates": {stored: equal earlier name}}
+     "duplicates": {stored: equal earlier name}, "training": {...}}
 
 ``metadata`` is also written as plain ``__metadata__`` entries, so ``safe_open`` shows
 it; ``duplicates`` (present only when non-empty) lists stored tensors whose bytes equal
 an earlier one's, kept for plain readers, so ``inspect`` can tell what
 ``dedupe_copies=True`` would save.
+``"training"`` (optimizer, scheduler and RNG state) is present only in checkpoints saved
+with them; :mod:`weightvault._training` describes it.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Manifest:
     version: int = FORMAT_VERSION
     ours: bool = True
     duplicates: dict[str, str] = field(default_factory=dict)
+    training: dict[str, Any] | None = None
 
     def encode(self) -> str:
         views = {
@@ -92,6 +95,9 @@ class Manifest:
         }
         if self.duplicates:
             doc["duplicates"] = self.duplicates
+        if self.training is not None:
+            # Only when present, so weights-only files keep their bytes.
+            doc["training"] = self.training
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -131,6 +137,7 @@ def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], wher
         checksum=doc.get("checksum"),
         metadata=_str_map(doc.get("metadata", {}), "metadata", where),
         duplicates=_str_map(doc.get("duplicates", {}), "duplicates", where),
+        training=None if doc.get("training") is None else _dict(doc["training"], "training", where),
     )
     _validate(m, tensors, where)
     return m

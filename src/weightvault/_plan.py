@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._dtypes import ITEMSIZE, numel
 from ._manifest import CHECKSUM_ALGORITHM, INTERNAL_PREFIX, Manifest, View
@@ -103,6 +104,8 @@ class Plan:
     logical_bytes: int = 0
     #: Stored names whose bytes equal an earlier name's: copies kept for plain readers.
     duplicates: dict[str, str] = field(default_factory=dict)
+    #: The manifest's ``"training"`` section (see :mod:`weightvault._training`), if any.
+    training: dict[str, Any] | None = None
 
     @property
     def stored_bytes(self) -> int:
@@ -127,6 +130,7 @@ class Plan:
             metadata=dict(metadata or {}),
             ours=ours,
             duplicates=self.duplicates,
+            training=self.training,
         )
 
 

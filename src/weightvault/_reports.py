@@ -59,6 +59,9 @@ class LoadReport:
             each got the same values. With ``tie=True`` they are tied instead.
         tied: Groups of model names that ``tie=True`` made share one tensor.
         frozen: Model names frozen by ``restore_frozen=True``.
+        optimizer: What the optimizer received, when ``optimizer=`` was given.
+        restored: The rest of the training state restored: ``"scheduler"``,
+            ``"rng:python"``, ``"rng:numpy"``, ``"rng:torch"``, ``"rng:cuda"``.
     """
 
     path: str
@@ -70,8 +73,41 @@ class LoadReport:
     untied: list[tuple[str, ...]] = field(default_factory=list)
     tied: list[tuple[str, ...]] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
+    optimizer: OptimizerReport | None = None
+    restored: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """Whether every model name was filled and nothing on disk went unused."""
-        return not (self.missing or self.unexpected or self.mismatched)
+        bad = self.missing or self.unexpected or self.mismatched
+        return not bad and (self.optimizer is None or self.optimizer.ok)
+
+
+@dataclass
+class OptimizerReport:
+    """What a load gave the optimizer, by parameter name (the model's first name of each).
+
+    Attributes:
+        loaded: Parameters that received their saved state.
+        without_state: Parameters that received none: unknown to the checkpoint, never
+            stepped when it was saved, or of another shape.
+        missing: Parameters the checkpoint has no record of (a subset of ``without_state``).
+        unused: Names on disk whose saved state no parameter of the optimizer took.
+        renamed: ``(name_on_disk, model_name)`` for state a rule moved.
+        mismatched: ``(name, shape_on_disk, shape_in_model)`` skipped (``strict=False``).
+        groups_kept: Groups whose parameters come from saved groups with different
+            hyperparameters; they keep their own.
+    """
+
+    loaded: list[str] = field(default_factory=list)
+    without_state: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    renamed: list[tuple[str, str]] = field(default_factory=list)
+    mismatched: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    groups_kept: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every parameter was known to the checkpoint and no saved state went unused."""
+        return not (self.missing or self.unused or self.mismatched)

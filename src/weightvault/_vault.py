@@ -48,6 +48,7 @@ from typing import Any
 import blake3
 import xxhash
 
+from ._background import SaveHandle
 from ._convert import rewrite
 from ._errors import (
     CheckpointExistsError,
@@ -59,10 +60,11 @@ from ._errors import (
 )
 from ._header import TensorInfo, encode_header, parse_header
 from ._manifest import MANIFEST_KEY, read_manifest
-from ._plan import Plan, Stored, plan
+from ._plan import Plan, Source, Stored, plan
 from ._reader import Checkpoint, read_fully
 from ._reports import LoadReport
 from ._store import Blob, Store, open_store
+from ._training import is_training, with_training
 from ._writer import check_names, layout
 
 FORMAT = "weightvault-vault"
@@ -448,6 +450,7 @@ class Vault:
     ) -> None:
         self.store = open_store(root, **storage_options)
         self.gc_wait = gc_wait
+        self._pending: SaveHandle[CheckpointRecord] | None = None
         marker = {"format": FORMAT, "version": VERSION, "hash": "blake3"}
         if not self.store.exists("vault.json"):
             self.store.put("vault.json", json.dumps(marker).encode(), exclusive=True)
@@ -476,7 +479,11 @@ class Vault:
         *,
         metadata: Mapping[str, str] | None = None,
         progress: Progress | None = None,
-    ) -> CheckpointRecord:
+        optimizer: Any = None,
+        scheduler: Any = None,
+        rng: bool = False,
+        background: bool = False,
+    ) -> Any:
         """Commit a checkpoint of ``model``, writing only tensors the vault lacks.
 
         Every tensor is hashed (blake3) on every save: no shortcut that could miss an
@@ -487,11 +494,29 @@ class Vault:
             name: The checkpoint's name; by default the next number (``000001``, ...).
             metadata: Your ``str -> str`` metadata.
             progress: Called with a byte count as tensors are hashed and written.
+            optimizer: Also store the optimizer's state by parameter name (PyTorch).
+            scheduler: Also store the LR scheduler's state.
+            rng: Also store the RNG states, so a resumed run draws the same numbers.
+            background: Copy what training can change now (everything but frozen
+                parameters), then hash and write in a thread; returns a
+                :class:`~weightvault.SaveHandle` whose ``wait()`` gives the record. A
+                later save or load of this ``Vault`` waits for it first.
+
+        Returns:
+            The committed checkpoint's record, or with ``background`` a handle to it.
 
         Raises:
             CheckpointExistsError: ``name`` is already taken.
             CheckpointNameError: ``name`` is not a valid name (see :func:`check_name`).
+
+        Example:
+            >>> handle = vault.save(model, optimizer=opt, scheduler=sched, rng=True,
+            ...                     background=True)
+            >>> opt.step()      # the checkpoint keeps the values at the call
+            >>> handle.wait().name
+            '000002'
         """
+        self._settle()  # a second save waits for the first
         if name is not None:
             check_name(name, self.url)
             if self.store.exists(f"checkpoints/{name}.json"):
@@ -500,10 +525,44 @@ class Vault:
                     "or delete it first with vault.delete(name)"
                 )
         adapter = _adapter(model)
-        sources, _ = adapter._sources(model)
+        training: dict[str, Any] | None = None
+        if optimizer is None and scheduler is None and not rng and not background:
+            sources, _ = adapter._sources(model)
+        elif hasattr(adapter, "_checkpoint_sources"):
+            sources, _, training = adapter._checkpoint_sources(
+                model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=background
+            )
+        else:
+            raise TypeError(
+                f"{adapter.__name__} cannot save optimizer, scheduler or RNG state, nor save "
+                "in the background, yet; save the model alone"
+            )
+        if background:
+            self._pending = SaveHandle(
+                lambda: self._save_sources(sources, training, name, adapter, metadata, progress),
+                f"vault save {name or '(next)'}",
+            )
+            return self._pending
+        return self._save_sources(sources, training, name, adapter, metadata, progress)
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.settle()
+
+    def _save_sources(
+        self,
+        sources: builtins.list[Source],
+        training: dict[str, Any] | None,
+        name: str | None,
+        adapter: Any,
+        metadata: Mapping[str, str] | None,
+        progress: Progress | None,
+    ) -> CheckpointRecord:
         # Refused now rather than when the checkpoint is exported to a single file.
-        check_names([s.name for s in sources], metadata, self.url)
-        p = plan(sources)
+        names = [s.name for s in sources if training is None or not is_training(s.name)]
+        check_names(names, metadata, self.url)
+        p = with_training(plan(sources), training)
         placed = layout(p.stored)
         digests: dict[str, str] = {}
         sums: dict[str, str] = {}
@@ -758,10 +817,12 @@ class Vault:
         """Fill ``model`` from checkpoint ``name``, through the adapter's ``load``.
 
         Every option of the adapter's ``load`` works (``rules``, ``strict``,
-        ``restore_frozen``, ...). ``verify`` (on by default) checks every object's hash
-        before anything is copied, so a damaged vault never loads wrong values.
+        ``restore_frozen``, ``optimizer``, ``scheduler``, ``rng``, ...). ``verify`` (on by
+        default) checks every object's hash before anything is copied, so a damaged vault
+        never loads wrong values.
         """
         adapter = _adapter(model)
+        self._settle()  # "latest" includes a background save still being written
         with self.open(name) as ckpt:
             report: LoadReport = adapter.load(model, ckpt, verify=verify, **options)
         return report

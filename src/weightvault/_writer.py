@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -22,6 +23,7 @@ from ._manifest import (
 )
 from ._plan import Plan, Source, Stored, plan
 from ._reports import SaveReport
+from ._training import is_training, with_training
 
 Progress = Callable[[int], None]
 
@@ -165,13 +167,15 @@ def save_sources(
     dedupe_copies: bool = False,
     skipped: list[str] | None = None,
     dry_run: bool = False,
+    training: dict[str, Any] | None = None,
 ) -> SaveReport:
     """Plan ``sources`` and write them to ``path``: the save every adapter shares.
 
     With ``dry_run`` nothing is written and ``file_bytes`` is 0.
     """
-    check_names([s.name for s in sources], metadata, os.fspath(path))
-    p = plan(sources, dedupe_copies=dedupe_copies)
+    names = [s.name for s in sources if training is None or not is_training(s.name)]
+    check_names(names, metadata, os.fspath(path))
+    p = with_training(plan(sources, dedupe_copies=dedupe_copies), training)
     file_bytes = 0
     if not dry_run:
         file_bytes = write(path, p, framework=framework, metadata=metadata, checksum=checksum)

@@ -28,6 +28,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     ) from e
 
 from . import _rules, _transforms, _writer
+from ._background import SaveHandle
 from ._match import Assignment, RulesArg, Target, plan_load
 from ._plan import Source
 from ._reader import Checkpoint, Entry, opened
@@ -108,8 +109,12 @@ def _region(t: torch.Tensor) -> Any:
     return region
 
 
-def _source(name: str, t: torch.Tensor, identity: Any, frozen: bool) -> Source:
+def _source(
+    name: str, t: torch.Tensor, identity: Any, frozen: bool, twin: torch.Tensor | None = None
+) -> Source:
+    """A source for ``t``; with ``twin`` (a snapshot of ``t``), bytes are read from it."""
     dtype = _dtype_name(name, t)
+    live, t = t, t if twin is None else twin
     if t.numel() == 0 or t.device.type == "meta":
         if t.device.type == "meta":
             raise WeightvaultError(
@@ -118,7 +123,8 @@ def _source(name: str, t: torch.Tensor, identity: Any, frozen: bool) -> Source:
             )
         return Source(name, dtype, tuple(t.shape), identity, lambda: _bytes(t), frozen)
     size = t.element_size()
-    storage = (str(t.device), t.untyped_storage().data_ptr())
+    # Keys come from the live tensor, so a snapshot plans the same ties and views.
+    storage = (str(live.device), live.untyped_storage().data_ptr())
     return Source(
         name,
         dtype,
@@ -163,7 +169,25 @@ def _check_value(name: str, value: Any) -> None:
         )
 
 
-def _sources(obj: nn.Module | Mapping[str, torch.Tensor]) -> tuple[list[Source], list[str]]:
+def _snapshot(t: torch.Tensor, copies: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
+    """A tensor with ``t``'s layout over a copy of its storage (one copy per storage)."""
+    storage = t.untyped_storage()
+    key = (str(t.device), storage.data_ptr())
+    if key not in copies:
+        copies[key] = storage.clone()  # type: ignore[no-untyped-call]
+    twin = torch.empty(0, dtype=t.dtype, device=t.device)
+    return twin.set_(copies[key], t.storage_offset(), t.shape, t.stride())
+
+
+def _sources(
+    obj: nn.Module | Mapping[str, torch.Tensor], *, snapshot: bool = False
+) -> tuple[list[Source], list[str]]:
+    """The model's tensors as sources; with ``snapshot``, read from copies taken now.
+
+    A snapshot copies every tensor that training can change: all but frozen parameters
+    (``requires_grad=False``), which are read live when the background save writes them.
+    """
+    copies: dict[Any, torch.UntypedStorage] = {}
     skipped: list[str] = []
     sources: list[Source] = []
     if isinstance(obj, nn.Module):
@@ -184,14 +208,36 @@ def _sources(obj: nn.Module | Mapping[str, torch.Tensor]) -> tuple[list[Source],
         frozen = isinstance(value, nn.Parameter) and not value.requires_grad
         # Same memory with the same layout is one tensor, whether or not it is one object.
         identity = _layout_identity(value)
+        twin = None
         if value.is_conj() or value.is_neg():
             # Its bytes are not its values: plan the resolved values, once per identity so
-            # that two names of one lazy tensor stay one (an alias).
+            # that two names of one lazy tensor stay one (an alias). The resolved tensor is
+            # already a private copy, so a background save needs no snapshot of it.
             if identity not in resolved:
                 resolved[identity] = value.detach().resolve_conj().resolve_neg()
             value = resolved[identity]
-        sources.append(_source(name, value, identity, frozen))
+        elif snapshot and not frozen and value.numel() > 0 and value.device.type != "meta":
+            twin = _snapshot(value.detach(), copies)
+        sources.append(_source(name, value, identity, frozen, twin))
     return sources, skipped
+
+
+def _checkpoint_sources(
+    obj: nn.Module | Mapping[str, torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    rng: bool = False,
+    snapshot: bool = False,
+) -> tuple[list[Source], list[str], dict[str, Any] | None]:
+    """Model, optimizer, scheduler and RNG as sources plus the manifest's training section."""
+    from . import _torch_state
+
+    sources, skipped = _sources(obj, snapshot=snapshot)
+    extra, training = _torch_state.training_sources(
+        obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
+    )
+    return sources + extra, skipped, training
 
 
 def save(
@@ -201,7 +247,11 @@ def save(
     metadata: Mapping[str, str] | None = None,
     checksum: bool = True,
     dedupe_copies: bool = False,
-) -> SaveReport:
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    rng: bool = False,
+    background: bool = False,
+) -> Any:
     """Save a module or a dict of tensors, storing every tied tensor once.
 
     Names are ``state_dict`` names, every alias included; non-persistent buffers are left
@@ -220,9 +270,17 @@ def save(
         checksum: Record an xxh3-64 checksum of every stored tensor (costs ~5% of a save).
         dedupe_copies: Store equal but separate tensors once. Smaller, but plain
             safetensors readers then miss the copies' names; only weightvault restores them.
+        optimizer: Also store this optimizer's state, by parameter name, and its groups'
+            hyperparameters (see docs/resuming.md).
+        scheduler: Also store this LR scheduler's ``state_dict()`` (as JSON).
+        rng: Also store the torch (CPU and CUDA), numpy and Python ``random`` RNG states.
+        background: Copy what training can change now and write in a thread; returns a
+            :class:`~weightvault.SaveHandle` whose ``wait()`` gives the report. A second
+            save waits for the first.
 
     Returns:
-        What was stored, aliased and copied, and the bytes saved.
+        What was stored, aliased and copied, and the bytes saved (a
+        :class:`~weightvault.SaveHandle` of it with ``background=True``).
 
     Raises:
         UnsupportedValueError: A dict value is not a tensor, or a tensor is sparse.
@@ -234,16 +292,34 @@ def save(
         >>> report.aliases
         {'lm_head.weight': 'transformer.wte.weight'}
     """
-    sources, skipped = _sources(obj)
-    return _writer.save_sources(
-        path,
-        sources,
-        framework=FRAMEWORK,
-        metadata=dict(metadata or {}),
-        checksum=checksum,
-        dedupe_copies=dedupe_copies,
-        skipped=skipped,
+    global _pending
+    if _pending is not None:
+        _pending.settle()  # one save at a time, in order
+        _pending = None
+    sources, skipped, training = _checkpoint_sources(
+        obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=background
     )
+
+    def write() -> SaveReport:
+        return _writer.save_sources(
+            path,
+            sources,
+            framework=FRAMEWORK,
+            metadata=dict(metadata or {}),
+            checksum=checksum,
+            dedupe_copies=dedupe_copies,
+            skipped=skipped,
+            training=training,
+        )
+
+    if not background:
+        return write()
+    _pending = SaveHandle(write, f"save {os.fspath(path)}")
+    return _pending
+
+
+#: The last background file save; the next save waits for it.
+_pending: SaveHandle[SaveReport] | None = None
 
 
 def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
@@ -348,6 +424,9 @@ def load(
     cast: bool = False,
     mmap: bool = False,
     transforms: _transforms.Transforms | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    rng: bool = False,
 ) -> LoadReport:
     """Fill ``model`` from ``path`` in place, all or nothing.
 
@@ -374,6 +453,11 @@ def load(
             copied, matched against the model's names: ``{"*.weight": "transpose"}``
             loads a Keras ``Dense.kernel`` ``(in, out)`` into ``Linear.weight``
             ``(out, in)``. See :mod:`weightvault._transforms`; kept apart from ``rules``.
+        optimizer: Also restore this optimizer's state and hyperparameters, matched by
+            parameter name (``rules`` apply), so the parameters' order and groups may
+            differ from the saved optimizer's. ``strict`` applies; see ``report.optimizer``.
+        scheduler: Also restore this LR scheduler's state.
+        rng: Also restore the torch, numpy and Python ``random`` RNG states.
 
     Returns:
         A report of what was loaded, renamed, missing, unexpected, mismatched and untied.
@@ -407,6 +491,20 @@ def load(
             label=type(model).__name__,
             shape_of=_transforms.shape_hook(transforms),
         )
+        from . import _torch_state
+
+        # Training state is read and checked before the first weight is copied too.
+        prepared = _torch_state.prepare(
+            ckpt,
+            model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            rng=rng,
+            rules=rules,
+            renamed=lp.report.renamed,
+            strict=strict,
+            verify=verify,
+        )
         needed = sorted({ckpt.entry(a.source).stored for a in lp.assignments})
         if verify:
             ckpt.verify(needed)
@@ -439,6 +537,7 @@ def load(
             if frozen:
                 t.grad = None
         lp.report.frozen = [n for n, f in lp.frozen.items() if f]
+    prepared.apply(lp.report)
     return lp.report
 
 
