@@ -367,3 +367,22 @@ def test_background_file_save(tmp_path: Path) -> None:
     wv.load(b, tmp_path / "c.safetensors")
     for n, p in b.named_parameters():
         assert torch.equal(p, at_call[n]), n
+
+
+def test_vault_export_keeps_the_training_state(tmp_path: Path) -> None:
+    """An exported checkpoint resumes like the vault one: the optimizer comes back."""
+    a = mlp(0)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=0.01)
+    step(a, opt_a, 0)
+    vault = Vault(tmp_path / "v")
+    vault.save(a, "one", optimizer=opt_a)
+    path = tmp_path / "exported.safetensors"
+    vault.export("one", path)
+    b = mlp(1)
+    opt_b = torch.optim.AdamW(list(b.parameters())[::-1], lr=0.01)
+    report = wv.load(b, path, optimizer=opt_b)
+    assert report.optimizer is not None and report.optimizer.ok
+    step(a, opt_a, 1)
+    step(b, opt_b, 1)
+    for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), n

@@ -181,9 +181,7 @@ def rewrite(
     training = ckpt.manifest.training
     if training is not None and not rules:
         # Optimizer, scheduler and RNG state travel with an unrenamed copy (an export).
-        for name, info in ckpt.stored.items():
-            if is_training(name):
-                sources.append(_raw_source(ckpt, name, info.dtype, info.shape))
+        sources += _training_sources(ckpt)
     else:
         training = None
     return _writer.save_sources(
@@ -199,5 +197,24 @@ def rewrite(
     )
 
 
-def _raw_source(ckpt: Checkpoint, name: str, dtype: str, shape: tuple[int, ...]) -> Source:
-    return Source(name, dtype, shape, ("training", name), lambda: ckpt.raw(name))
+def _training_sources(ckpt: Checkpoint) -> list[Source]:
+    """Optimizer, scheduler and RNG tensors, which are no model's names, as sources.
+
+    An alias keeps its target's identity, so it stays an alias; a copy is read from the
+    tensor it copies and is its own tensor again.
+    """
+    m = ckpt.manifest
+    names = [n for n in [*ckpt.stored, *m.copies, *m.aliases] if is_training(n)]
+    out: list[Source] = []
+    for name in dict.fromkeys(names):
+        target = m.aliases.get(name, name)
+        stored = m.copies.get(target, target)
+        if stored not in ckpt.stored:
+            continue  # views are never training state; the loader reports what is missing
+        info = ckpt.stored[stored]
+
+        def data(stored: str = stored) -> memoryview:
+            return ckpt.raw(stored)
+
+        out.append(Source(name, info.dtype, info.shape, ("training", target), data))
+    return out

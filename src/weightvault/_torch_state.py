@@ -145,12 +145,21 @@ def _rename(rules: RulesArg, renamed: list[tuple[str, str]]) -> _training.Rename
 
 def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A tensor of its own (never the file mapping) for a stored training-state name."""
-    stored = ckpt.manifest.copies.get(name, name)
+    stored = _stored(ckpt, name)
+    assert stored is not None  # checked by _known before anything is read
     return _base(ckpt, stored, mmap=False).clone()
 
 
+def _stored(ckpt: Checkpoint, name: str) -> str | None:
+    """The stored tensor that holds ``name`` whole: itself, or what it aliases or copies."""
+    m = ckpt.manifest
+    alias = m.aliases.get(name, name)
+    stored = m.copies.get(alias, alias)
+    return stored if stored in ckpt.stored else None
+
+
 def _known(ckpt: Checkpoint) -> Callable[[str], bool]:
-    return lambda n: ckpt.manifest.copies.get(n, n) in ckpt.stored
+    return lambda n: _stored(ckpt, n) is not None
 
 
 def prepare(
