@@ -514,9 +514,7 @@ class Vault:
             ckpt.fetch()
         return ckpt
 
-    def load(
-        self, model: Any, name: str = "latest", *, verify: bool = True, **options: Any
-    ) -> Any:
+    def load(self, model: Any, name: str = "latest", *, verify: bool = True, **options: Any) -> Any:
         """Fill ``model`` from checkpoint ``name``, through the adapter's ``load``.
 
         Every option of the adapter's ``load`` works (``rules``, ``strict``,

@@ -574,14 +574,19 @@ def trainable(obj: Any) -> Any:
 
     For a pytree or an Equinox module, a pytree of the same structure with ``True`` for
     each trainable array, ``False`` for each frozen one and ``None`` for every non-array
-    leaf, the shape ``eqx.filter(model, eqx.is_array)`` has. Give it to
-    ``optax.masked(tx, mask)`` or use it to build ``optax.multi_transform`` labels.
+    leaf, the shape ``eqx.filter(model, eqx.is_array)`` has. Use it as the labels of
+    ``optax.multi_transform({True: tx, False: optax.set_to_zero()}, mask)``. Note that
+    ``optax.masked(tx, mask)`` is not enough on its own: it passes the gradient of a
+    masked-out array through unchanged, so the array would still move. An Equinox mask
+    is itself a module, hence callable, and optax calls callable labels: pass
+    ``lambda _: mask`` there.
 
     Example:
         >>> optimizer = nnx.Optimizer(model, optax.sgd(0.01), wrt=trainable(model))
         >>> grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, trainable(model)))(model)
 
-        >>> tx = optax.masked(optax.adam(1e-3), trainable(params))   # a pytree
+        >>> labels = trainable(params)                            # a pytree
+        >>> tx = optax.multi_transform({True: optax.adam(1e-3), False: optax.set_to_zero()}, labels)
     """
     if _is_nnx(obj):
         return _trainable_variable
