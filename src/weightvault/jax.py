@@ -222,7 +222,7 @@ def _structure_key(tree: Any) -> Hashable:
     return treedef
 
 
-def _is_frozen(obj: Any, leaf: _Leaf, tree_frozen: set[str]) -> bool:
+def _is_frozen(leaf: _Leaf, tree_frozen: set[str]) -> bool:
     if leaf.variable is not None:
         return bool(leaf.is_param and leaf.variable.get_metadata().get(FROZEN_KEY, False))
     return leaf.name in tree_frozen
@@ -283,7 +283,7 @@ def _sources(obj: Any) -> tuple[list[Source], list[str]]:
         def data(name: str = leaf.name, value: Any = leaf.value) -> memoryview:
             return _bytes(name, value)
 
-        frozen = _is_frozen(obj, leaf, tree_frozen)
+        frozen = _is_frozen(leaf, tree_frozen)
         sources.append(Source(leaf.name, dtype, shape, leaf.identity, data, frozen))
     return sources, skipped
 
@@ -489,12 +489,12 @@ def load(
             values.append((a.names, _placed(value, target.value)))
 
     for names, value in values:
-        for name in names:
-            leaf = by_name[name]
-            if leaf.variable is not None:
-                leaf.variable.set_value(value)  # names of one Variable set it once each
-            else:
-                flat[leaf.index] = value
+        first = by_name[names[0]]
+        if first.variable is not None:
+            first.variable.set_value(value)  # every name of the group is this one Variable
+            continue
+        for name in names:  # one array object at every position that held the same one
+            flat[by_name[name].index] = value
     result: Any = obj if treedef is None else jax.tree_util.tree_unflatten(treedef, flat)
     if restore_frozen:
         _restore_frozen(result, by_name, lp.frozen)
