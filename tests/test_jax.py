@@ -68,20 +68,32 @@ class Head(nnx.Module):
         return x @ self.weight[...].T
 
 
+class Attention(nnx.Module):
+    """GPT-2's attention with its names (``c_attn``, ``c_proj``), one head, causal."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs) -> None:
+        self.c_attn = nnx.Linear(d, 3 * d, rngs=rngs)
+        self.c_proj = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
+        scores = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones((x.shape[-2], x.shape[-2]), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        return self.c_proj(weights @ v)
+
+
 class Block(nnx.Module):
     def __init__(self, d: int, rngs: nnx.Rngs) -> None:
         self.ln_1 = nnx.LayerNorm(d, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(2, d, decode=False, rngs=rngs)
+        self.attn = Attention(d, rngs)
         self.ln_2 = nnx.LayerNorm(d, rngs=rngs)
-        self.mlp = nnx.Sequential(
-            nnx.Linear(d, 4 * d, rngs=rngs), nnx.gelu, nnx.Linear(4 * d, d, rngs=rngs)
-        )
+        self.c_fc = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.c_proj = nnx.Linear(4 * d, d, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        n = x.shape[-2]
-        mask = nnx.make_causal_mask(jnp.ones((x.shape[0], n)))
-        x = x + self.attn(self.ln_1(x), mask=mask)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(nnx.gelu(self.c_fc(self.ln_2(x))))
 
 
 class GPT(nnx.Module):
