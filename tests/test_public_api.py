@@ -61,6 +61,15 @@ def test_keras_adapter_verbs_are_pinned():
     assert wvk.__all__ == ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 
 
+def test_jax_adapter_verbs_are_pinned():
+    import pytest
+
+    pytest.importorskip("jax")
+    import weightvault.jax as wvj
+
+    assert wvj.__all__ == ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
+
+
 def test_errors_subclass_the_base_and_the_builtin():
     e = weightvault
     for cls in (

@@ -62,7 +62,6 @@ from ._header import TensorInfo, encode_header, parse_header
 from ._manifest import MANIFEST_KEY, read_manifest
 from ._plan import Plan, Source, Stored, plan
 from ._reader import Checkpoint, read_fully
-from ._reports import LoadReport
 from ._store import Blob, Store, open_store
 from ._training import is_training, with_training
 from ._writer import check_names, layout
@@ -416,14 +415,21 @@ def _adapter(model: Any) -> Any:
     """The adapter module for ``model``'s framework, imported only when needed."""
     kinds = [c.__module__.split(".")[0] for c in type(model).__mro__]
     if isinstance(model, Mapping) and model:
-        kinds = [type(next(iter(model.values()))).__module__.split(".")[0]]
+        first = next(iter(model.values()))
+        while isinstance(first, Mapping) and first:  # a nested pytree: look at its arrays
+            first = next(iter(first.values()))
+        kinds = [type(first).__module__.split(".")[0]]
     # Keras first: on KERAS_BACKEND=torch a Keras model is also a torch.nn.Module.
-    for framework, module in (("keras", "weightvault.keras"), ("torch", "weightvault.torch")):
+    for framework, module in (
+        ("keras", "weightvault.keras"),
+        ("torch", "weightvault.torch"),
+        *((name, "weightvault.jax") for name in ("flax", "equinox", "jax", "jaxlib")),
+    ):
         if framework in kinds:
             return importlib.import_module(module)
     raise TypeError(
         f"the vault does not know how to save a {type(model).__name__}; pass a PyTorch "
-        "nn.Module or a dict of tensors"
+        "nn.Module, a Keras model, an NNX or Equinox module, or a dict of tensors or arrays"
     )
 
 
@@ -811,21 +817,22 @@ class Vault:
             ckpt.fetch()
         return ckpt
 
-    def load(
-        self, model: Any, name: str = "latest", *, verify: bool = True, **options: Any
-    ) -> LoadReport:
+    def load(self, model: Any, name: str = "latest", *, verify: bool = True, **options: Any) -> Any:
         """Fill ``model`` from checkpoint ``name``, through the adapter's ``load``.
 
         Every option of the adapter's ``load`` works (``rules``, ``strict``,
         ``restore_frozen``, ``optimizer``, ``scheduler``, ``rng``, ...). ``verify`` (on by
         default) checks every object's hash before anything is copied, so a damaged vault
         never loads wrong values.
+
+        Returns:
+            What the adapter's ``load`` returns: a :class:`LoadReport` for PyTorch and
+            Keras, ``(model, report)`` for JAX (pytrees come back as new objects).
         """
         adapter = _adapter(model)
         self._settle()  # "latest" includes a background save still being written
         with self.open(name) as ckpt:
-            report: LoadReport = adapter.load(model, ckpt, verify=verify, **options)
-        return report
+            return adapter.load(model, ckpt, verify=verify, **options)
 
     def delete(self, name: str) -> None:
         """Remove checkpoint ``name``; its objects are freed by the next :meth:`gc`.
