@@ -13,6 +13,11 @@ local folder and, unless ``--no-s3``, for an S3-compatible server (moto) on 127.
 
     .venv/bin/python bench/bench_vault.py            # full size, local + loopback S3
     .venv/bin/python bench/bench_vault.py --quick    # a 2-layer GPT-2, for smoke runs
+
+``--incremental`` instead times one incremental save on its own: a GPT-2 of 6 layers x
+512 wide with only its last block and ``ln_f`` trainable, one AdamW step (untimed) before
+each vault save, against ``save_model`` into a new file, in alternating rounds, once with
+fsync for everyone and once with ``os.fsync`` a no-op for everyone.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from _common import (
     fsync_path,
     machine,
     med,
+    no_fsync,
     quiesce,
+    run_rounds,
     table,
     timed,
 )
@@ -160,6 +167,85 @@ def run(label: str, vault: weightvault.Vault, files_dir: str, quick: bool, round
     }
 
 
+def incremental(rounds: int, warmup: int) -> dict:
+    """Incremental vault saves of GPT-2 6 x 512 (last block trainable) against save_model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=512, n_head=8)).eval()
+    opt = trainable_setup(model)
+    trainable_bytes = sum(p.numel() * p.element_size() for p in wv.trainable(model))
+    tmp = tempfile.mkdtemp(prefix="wv-bench-incremental-")
+    out: dict = {"trainable_bytes": trainable_bytes}
+    try:
+        vault = weightvault.Vault(os.path.join(tmp, "vault"))
+        out["stored_bytes"] = vault.save(model).stored_bytes  # the full first checkpoint
+        path = os.path.join(tmp, "model.safetensors")
+        seed = iter(range(1, 1 << 30))
+        new_bytes: list[int] = []
+
+        def save_st() -> None:
+            st.save_model(model, path)
+            fsync_path(path)  # a no-op, like the vault's, under no_fsync()
+
+        def before(who: str) -> None:
+            if who == "vault":
+                step(model, opt, next(seed))  # the optimizer changes the last block
+            elif os.path.exists(path):
+                os.unlink(path)  # every save_model writes a new file
+
+        contenders = {"vault": lambda: new_bytes.append(vault.save(model).new_bytes), "st": save_st}
+        for mode in ("fsync", "no_fsync"):
+            if mode == "fsync":
+                samples = run_rounds(contenders, rounds=rounds, warmup=warmup, before=before)
+            else:
+                with no_fsync():
+                    samples = run_rounds(contenders, rounds=rounds, warmup=warmup, before=before)
+            v, s = samples["vault"], samples["st"]
+            out[mode] = {
+                "vault_s": v,
+                "st_s": s,
+                "ratio_median": med(v) / med(s),
+                "ratio_min": min(v) / min(s),
+            }
+        out["new_bytes_median"] = med([float(b) for b in new_bytes])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def print_incremental(r: dict) -> None:
+    print(
+        f"GPT-2 6 x 512: {r['stored_bytes'] / MiB:.1f} MiB stored, "
+        f"{r['trainable_bytes'] / MiB:.1f} MiB trainable, "
+        f"{r['new_bytes_median'] / MiB:.1f} MiB new per incremental save"
+    )
+    rows = []
+    for mode in ("fsync", "no_fsync"):
+        v, s = r[mode]["vault_s"], r[mode]["st_s"]
+        rows.append(
+            [
+                mode,
+                f"{med(v):.3f} ({min(v):.3f}-{max(v):.3f})",
+                f"{med(s):.3f} ({min(s):.3f}-{max(s):.3f})",
+                f"{r[mode]['ratio_median']:.2f}x",
+                f"{r[mode]['ratio_min']:.2f}x",
+            ]
+        )
+    print(
+        table(
+            rows,
+            [
+                "durability",
+                "vault incremental s, median (min-max)",
+                "save_model s, median (min-max)",
+                "ratio of medians",
+                "ratio of minimums",
+            ],
+        )
+    )
+
+
 def s3_vault() -> tuple[weightvault.Vault, subprocess.Popen[bytes]]:
     """A vault on an S3-compatible server (moto) in its own process on 127.0.0.1."""
     import s3fs
@@ -195,8 +281,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="load rounds per checkpoint")
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--incremental", action="store_true", help="only the incremental-save comparison"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (--incremental)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+
+    if args.incremental:
+        r = incremental(args.rounds, args.warmup)
+        print("machine:", json.dumps(machine()))
+        print_incremental(r)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine(), "incremental": r}, f, indent=2)
+        return
 
     results = []
     tmp = tempfile.mkdtemp(prefix="wv-bench-vault-")
