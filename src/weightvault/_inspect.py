@@ -143,7 +143,13 @@ def verify(
     with ckpt:
         problems = []
         for name, info in ckpt.stored.items():
-            if not ckpt.check(name):
+            try:
+                good = ckpt.check(name)
+            except (FormatError, OSError) as e:
+                # The file shrank or failed to read after its header was validated.
+                problems.append(str(e))
+                break
+            if not good:
                 problems.append(
                     f"checksum mismatch in {name!r} ({describe(info.dtype, info.shape)})"
                 )

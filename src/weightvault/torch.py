@@ -213,6 +213,11 @@ def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
     dtype = DTYPES[info.dtype]
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dtype)
+    if not mmap:
+        # A private copy read with preadv: a file truncated meanwhile is a FormatError,
+        # where copying out of the map would die of SIGBUS.
+        flat = torch.frombuffer(ckpt.read(stored), dtype=torch.uint8)
+        return flat.view(dtype).reshape(info.shape)
     data = ckpt.raw(stored)
     if data.readonly:
         # Read-only memory (decoded foreign formats) can back no tensor safely: copy it.
@@ -221,8 +226,6 @@ def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
             flat = torch.frombuffer(data, dtype=torch.uint8).clone()
     else:
         flat = torch.frombuffer(data, dtype=torch.uint8)
-        if not mmap:
-            flat = flat.clone()
     return flat.view(dtype).reshape(info.shape)
 
 
@@ -244,7 +247,7 @@ def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
 
 
 def load_file(
-    path: Source_, *, mmap: bool = False, verify: bool = False
+    path: Source_, *, mmap: bool = False, verify: bool = False, max_bytes: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Read every name in ``path`` as a tensor.
 
@@ -256,6 +259,14 @@ def load_file(
         mmap: Return tensors backed by the file mapping (copy-on-write: writes never reach
             the file). Nothing is read until used; best for inference.
         verify: Check every checksum first.
+        max_bytes: Most bytes the tensors may take (stored tensors unless ``mmap``, and
+            every copy). By default the larger of 256 MiB and 16 times the file's size,
+            so that a tiny hostile file whose copies describe gigabytes is refused before
+            anything is allocated; raise it for a trusted file that expands that much.
+
+    Raises:
+        FormatError: The file is not a valid checkpoint, or would exceed ``max_bytes``.
+        ChecksumError: ``verify`` and a tensor's bytes are damaged.
 
     Example:
         >>> tensors = load_file("model.safetensors")
@@ -263,6 +274,13 @@ def load_file(
         True
     """
     with opened(path) as ckpt:
+        # Views are views of their base and aliases share one tensor; what allocates is
+        # every base read without mmap and every copy.
+        copies = {e.group: e.nbytes for e in ckpt.entries.values() if ckpt.owns_memory(e)}
+        cost = sum(copies.values())
+        if not mmap:
+            cost += sum(t.nbytes for t in ckpt.stored.values())
+        ckpt.materializing(cost, f"reading {len(ckpt.names)} tensors", max_bytes)
         if verify:
             ckpt.verify()
         bases = {s: _base(ckpt, s, mmap=mmap) for s in ckpt.stored}
