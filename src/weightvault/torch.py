@@ -240,10 +240,11 @@ def _value(ckpt: Checkpoint, e: Entry, base: torch.Tensor) -> torch.Tensor:
     return sub.as_strided(v.shape, v.stride)
 
 
-def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
-    """A zero-copy tensor over the file mapping for any name (stored, alias, copy, view)."""
+def _read(ckpt: Checkpoint, name: str, *, mmap: bool = True) -> torch.Tensor:
+    """A tensor for any name (stored, alias, copy, view): over the file mapping, or with
+    ``mmap=False`` over a private copy of its stored tensor read with ``preadv``."""
     e = ckpt.entry(name)
-    return _value(ckpt, e, _base(ckpt, e.stored, mmap=True))
+    return _value(ckpt, e, _base(ckpt, e.stored, mmap=mmap))
 
 
 def load_file(
@@ -442,7 +443,7 @@ def _assign(
     target = tensors[a.names[0]]
     if not mmap and transform is None and _read_direct(ckpt, a.source, target):
         return
-    source = _read(ckpt, a.source)
+    source = _read(ckpt, a.source, mmap=mmap)
     if transform is not None:
         source = source.permute(transform.axes_for(source.dim()))
     if mmap:
