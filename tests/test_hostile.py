@@ -1162,3 +1162,72 @@ def test_cli_unexpected_error_is_one_line_exit_4(
     monkeypatch.setenv("WEIGHTVAULT_DEBUG", "1")
     assert _cli.main(["inspect", str(path)]) == 4
     assert "Traceback" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Copy detection stays near-linear: many distinct tensors of one shape
+# ---------------------------------------------------------------------------------------
+
+
+def _counting_same_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from weightvault import _plan
+
+    calls = [0]
+    real = _plan.same_bytes
+
+    def counted(a: Any, b: Any, chunk: int = 1 << 20) -> bool:
+        calls[0] += 1
+        return real(a, b, chunk)
+
+    monkeypatch.setattr(_plan, "same_bytes", counted)
+    return calls
+
+
+def test_copy_detection_compares_only_lookalikes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    import weightvault.numpy as wvn
+
+    calls = _counting_same_bytes(monkeypatch)
+    rng = np.random.default_rng(0)
+    arrays = {f"t{i}": rng.standard_normal((4, 4)).astype(np.float32) for i in range(2000)}
+    # Real copies, and a large pair equal in every sampled slice but one byte elsewhere.
+    arrays["copy_a"] = arrays["t7"].copy()
+    arrays["copy_b"] = arrays["t1999"].copy()
+    big = np.zeros(3 << 20, np.uint8)
+    arrays["big"], arrays["big_twin"] = big, big.copy()
+    arrays["big_twin"][1 << 20] = 1
+    report = wvn.save(arrays, tmp_path / "many.safetensors")
+    assert report.copies == {"copy_a": "t7", "copy_b": "t1999"}
+    # One exact comparison per true copy and one for the sampled lookalike; all pairs of
+    # 2,000 same-shape arrays would be about 2 million.
+    assert calls[0] == 3, calls[0]
+
+
+@needs_torch
+def test_inspecting_a_pt_of_distinct_tensors_compares_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert torch is not None
+    calls = _counting_same_bytes(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "distinct.pt"
+    torch.save({f"t{i}": torch.randn(4, 4, generator=g) for i in range(500)}, path)
+    info = weightvault.inspect(path)
+    assert len(info.names) == 500 and not info.copies
+    assert calls[0] == 0
+
+
+@needs_alarm
+def test_saving_4000_same_shape_arrays_is_fast(tmp_path: Path) -> None:
+    import numpy as np
+
+    import weightvault.numpy as wvn
+
+    rng = np.random.default_rng(1)
+    arrays = {f"t{i}": rng.standard_normal(16).astype(np.float32) for i in range(4000)}
+    # Pairwise comparison took about a minute; near-linear work takes well under a second.
+    with time_limit(20.0):
+        wvn.save(arrays, tmp_path / "many.safetensors")
