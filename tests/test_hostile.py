@@ -932,13 +932,18 @@ def _copies(n: int, nbytes: int) -> bytes:
     return blob(with_manifest(manifest, {"a": entry("U8", [nbytes], 0, nbytes)}), bytes(nbytes))
 
 
-@pytest.mark.parametrize("reader", ["numpy", pytest.param("torch", marks=needs_torch)])
+@pytest.mark.parametrize("reader", ["numpy", "keras", pytest.param("torch", marks=needs_torch)])
 def test_many_copies_of_one_tensor_are_refused(tmp_path: Path, reader: str) -> None:
     import weightvault.numpy as wvn
 
     # 1 MiB stored, 300 copies: 300 MiB of arrays from a file of just over 1 MiB.
     path = _write(tmp_path, _copies(300, 1 << 20))
-    read = wvn.load_file if reader == "numpy" else wvt.load_file  # type: ignore[union-attr]
+    read: Callable[[Path], Any]
+    if reader == "keras":
+        wvk = pytest.importorskip("weightvault.keras")
+        read = wvk.load_file
+    else:
+        read = wvn.load_file if reader == "numpy" else wvt.load_file  # type: ignore[union-attr]
     tracemalloc.start()
     try:
         with pytest.raises(weightvault.FormatError, match=r"would allocate"):
