@@ -1236,3 +1236,19 @@ def test_saving_4000_same_shape_arrays_is_fast(tmp_path: Path) -> None:
     # Pairwise comparison took about a minute; near-linear work takes well under a second.
     with time_limit(20.0):
         wvn.save(arrays, tmp_path / "many.safetensors")
+
+
+def test_convert_refuses_to_gather_a_copy_of_a_huge_stride0_view(tmp_path: Path) -> None:
+    manifest = {"version": 1, "views": {"v": ["a", "F32", [2**26], [0], 0]}, "copies": {"c": "v"}}
+    src = _write(tmp_path, blob(with_manifest(manifest, {"a": entry("F32", [1], 0, 4)}), bytes(4)))
+    dst = tmp_path / "out.safetensors"
+    tracemalloc.start()
+    try:
+        with pytest.raises(weightvault.FormatError, match=r"gathering 1 views would allocate"):
+            weightvault.convert(src, dst)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 << 20 and not dst.exists()
+    report = weightvault.convert(src, dst, max_bytes=1 << 30)
+    assert report.copies == {"c": "v"}
