@@ -1252,3 +1252,31 @@ def test_convert_refuses_to_gather_a_copy_of_a_huge_stride0_view(tmp_path: Path)
     assert peak < 10 << 20 and not dst.exists()
     report = weightvault.convert(src, dst, max_bytes=1 << 30)
     assert report.copies == {"c": "v"}
+
+
+def test_verify_reports_what_a_reader_should_not_have_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify() reports, never raises, even if a reader leaks an error it should wrap."""
+    import zlib
+
+    from weightvault import _inspect
+    from weightvault._reader import SafetensorsFile
+
+    path = _write(tmp_path, blob(TWO, TWO_DATA))
+
+    def leaky_open(p: object) -> None:
+        raise zlib.error("invalid stored block lengths")
+
+    with monkeypatch.context() as m:
+        m.setattr(_inspect, "open_checkpoint", leaky_open)
+        report = weightvault.verify(path)
+    assert not report.ok
+    assert report.problems == [f"{path}: unreadable (error: invalid stored block lengths)"]
+
+    def leaky_check(self: object, stored: str) -> bool:
+        raise MemoryError
+
+    monkeypatch.setattr(SafetensorsFile, "check", leaky_check)
+    report = weightvault.verify(path)
+    assert not report.ok and "tensor 'a': unreadable (MemoryError" in report.problems[0]

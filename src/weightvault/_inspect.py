@@ -140,6 +140,11 @@ def verify(
         ckpt = open_checkpoint(path)
     except (FormatError, OSError) as e:
         return VerifyReport(where, False, [str(e)])
+    except Exception as e:
+        # Every reader should raise FormatError for damage; should one not, the file is
+        # still reported as unreadable rather than crashing a caller that asked to check.
+        detail = " ".join(str(e)[:300].split())
+        return VerifyReport(where, False, [f"{where}: unreadable ({type(e).__name__}: {detail})"])
     with ckpt:
         problems = []
         for name, info in ckpt.stored.items():
@@ -148,6 +153,12 @@ def verify(
             except (FormatError, OSError) as e:
                 # The file shrank or failed to read after its header was validated.
                 problems.append(str(e))
+                break
+            except Exception as e:
+                detail = " ".join(str(e)[:300].split())
+                problems.append(
+                    f"{where}: tensor {name!r}: unreadable ({type(e).__name__}: {detail})"
+                )
                 break
             if not good:
                 problems.append(
