@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import mmap
 import os
 from collections.abc import Iterator, Mapping
@@ -218,7 +219,9 @@ class SafetensorsFile(Checkpoint):
             )
             # Reads, checksums included, go through this descriptor of the very file whose
             # header was validated, never through the map (see :meth:`check`).
-            self._fd = os.dup(f.fileno())
+            # A FileIO owns it, so a checkpoint dropped without close() does not leak it.
+            self._file: io.FileIO | None = io.FileIO(os.dup(f.fileno()), "rb")
+            self._fd = self._file.fileno()
         super().__init__(where, self.header.tensors, manifest)
 
     @property
@@ -267,9 +270,9 @@ class SafetensorsFile(Checkpoint):
         return h.hexdigest() == expected
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._file is not None:
+            self._file.close()
+            self._file, self._fd = None, -1
         # Tensors built on the map keep their own export; closing then is refused, and the
         # map is released when the last of them goes.
         if self._map is not None:
