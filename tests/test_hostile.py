@@ -77,9 +77,16 @@ def _load_file_mmap(path: Path) -> Any:
     return wvt.load_file(path, mmap=True)
 
 
+def _numpy_load_file(path: Path) -> Any:
+    import weightvault.numpy as wvn
+
+    return wvn.load_file(path, verify=True)
+
+
 READERS: list[Any] = [
     pytest.param(_open, id="open_checkpoint"),
     pytest.param(weightvault.inspect, id="inspect"),
+    pytest.param(_numpy_load_file, id="numpy_load_file"),
     pytest.param(_load_file, id="load_file", marks=needs_torch),
     pytest.param(_load_file_mmap, id="load_file_mmap", marks=needs_torch),
 ]
@@ -468,6 +475,20 @@ CASES: dict[str, tuple[bytes, str]] = {
         blob(with_manifest({"version": 1, "checksum": "xxh3_64", "sums": "00"}, TWO), TWO_DATA),
         r"manifest field 'sums' must be an object",
     ),
+    # Lone UTF-16 surrogates: valid JSON escapes, but no Unicode; nothing can print or
+    # encode such a name (the CLI died of UnicodeEncodeError).
+    "lone_surrogate_tensor_name": (
+        blob(b'{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x"),
+        r"header holds a lone UTF-16 surrogate \(\\ud800\)",
+    ),
+    "lone_surrogate_metadata_key": (
+        blob({"__metadata__": {"\udfff": "x"}, **TWO}, TWO_DATA),
+        r"header holds a lone UTF-16 surrogate \(\\udfff\)",
+    ),
+    "lone_surrogate_in_manifest": (
+        blob(with_manifest({"version": 1, "aliases": {"\ud800x": "a"}}, TWO), TWO_DATA),
+        r"weightvault manifest holds a lone UTF-16 surrogate",
+    ),
 }
 
 #: Upper bound on the wall time of any one rejection; all of them are microseconds to
@@ -850,3 +871,412 @@ def test_fuzzed_file_loads_or_is_a_format_error(tmp_path: Path, data: bytes) -> 
             read(path)
     report = weightvault.verify(path)  # never raises: damage is reported
     assert isinstance(report.ok, bool)
+
+
+# ---------------------------------------------------------------------------------------
+# Tiny files that describe gigabytes: refused before anything is allocated
+# ---------------------------------------------------------------------------------------
+
+
+def _stride0_view(n: int) -> bytes:
+    """One stored F32 and a view that repeats it ``n`` times (stride 0): 4 data bytes."""
+    manifest = {"version": 1, "views": {"v": ["a", "F32", [n], [0], 0]}}
+    return blob(with_manifest(manifest, {"a": entry("F32", [1], 0, 4)}), b"\0\0\x80?")
+
+
+def test_stride0_view_of_2_28_elements_is_refused_by_eager_reads(tmp_path: Path) -> None:
+    import weightvault.numpy as wvn
+
+    path = _write(tmp_path, _stride0_view(2**28))
+    assert path.stat().st_size < 320
+    tracemalloc.start()
+    try:
+        with pytest.raises(weightvault.FormatError, match=r"would allocate 1073741832 bytes") as e:
+            wvn.load_file(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 << 20, peak
+    assert str(path) in str(e.value) and "max_bytes" in str(e.value)
+    # The header alone is fine: inspect and verify describe it without reading values.
+    assert weightvault.inspect(path).tensors["v"].nbytes == 2**30
+    assert weightvault.verify(path).ok
+
+
+def test_stride0_view_reads_when_the_caller_raises_the_limit(tmp_path: Path) -> None:
+    import numpy as np
+
+    import weightvault.numpy as wvn
+
+    path = _write(tmp_path, _stride0_view(2**20))
+    with pytest.raises(weightvault.FormatError, match=r"more than the 1000-byte limit"):
+        wvn.load_file(path, max_bytes=1000)
+    out = wvn.load_file(path, max_bytes=8 << 20)
+    assert out["v"].shape == (2**20,) and np.all(out["v"] == 1.0)
+
+
+@needs_torch
+def test_torch_reads_a_stride0_view_lazily(tmp_path: Path) -> None:
+    """A view of its base allocates nothing, so torch reads what numpy must refuse."""
+    assert wvt is not None
+    path = _write(tmp_path, _stride0_view(2**28))
+    for mmap in (False, True):
+        out = wvt.load_file(path, mmap=mmap)
+        assert out["v"].shape == (2**28,) and out["v"].stride() == (0,)
+        assert out["v"].untyped_storage().nbytes() == 4
+
+
+def _copies(n: int, nbytes: int) -> bytes:
+    """One stored U8 tensor of ``nbytes`` and ``n`` copies of it."""
+    manifest = {"version": 1, "copies": {f"c{i}": "a" for i in range(n)}}
+    return blob(with_manifest(manifest, {"a": entry("U8", [nbytes], 0, nbytes)}), bytes(nbytes))
+
+
+@pytest.mark.parametrize("reader", ["numpy", "keras", pytest.param("torch", marks=needs_torch)])
+def test_many_copies_of_one_tensor_are_refused(tmp_path: Path, reader: str) -> None:
+    import weightvault.numpy as wvn
+
+    # 1 MiB stored, 300 copies: 300 MiB of arrays from a file of just over 1 MiB.
+    path = _write(tmp_path, _copies(300, 1 << 20))
+    read: Callable[[Path], Any]
+    if reader == "keras":
+        wvk = pytest.importorskip("weightvault.keras")
+        read = wvk.load_file
+    else:
+        read = wvn.load_file if reader == "numpy" else wvt.load_file  # type: ignore[union-attr]
+    tracemalloc.start()
+    try:
+        with pytest.raises(weightvault.FormatError, match=r"would allocate"):
+            read(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    # A few copies of a small tensor are what real files hold, and read as before.
+    small = _write(tmp_path, _copies(3, 16), "small.safetensors")
+    assert len(read(small)) == 4
+
+
+@needs_torch
+def test_alias_of_shared_storage_reads_in_torch(tmp_path: Path) -> None:
+    """An alias may name internal view storage; torch.load_file raised KeyError."""
+    assert wvt is not None
+    internal = "__weightvault__.storage0"
+    manifest = {"version": 1, "aliases": {"al": internal}}
+    path = _write(
+        tmp_path, blob(with_manifest(manifest, {internal: entry("U8", [4], 0, 4)}), b"abcd")
+    )
+    out = wvt.load_file(path)
+    assert bytes(out["al"].numpy()) == b"abcd"
+
+
+def test_surrogate_pairs_are_valid_names(tmp_path: Path) -> None:
+    """Only lone surrogates are refused; an escaped pair is one character (U+1F600)."""
+    import weightvault.numpy as wvn
+
+    path = _write(
+        tmp_path, blob(b'{"\\ud83d\\ude00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x")
+    )
+    assert list(wvn.load_file(path)) == ["\U0001f600"]
+
+
+# ---------------------------------------------------------------------------------------
+# A file truncated underneath a reader: FormatError or a report, never SIGBUS
+# ---------------------------------------------------------------------------------------
+
+_TRUNCATE = """
+import sys, os
+import numpy as np
+import weightvault, weightvault.numpy as wvn
+from weightvault._reader import open_checkpoint
+
+path, how = sys.argv[1], sys.argv[2]
+arrays = {f"t{i}": np.full(1 << 18, i, np.float32) for i in range(4)}
+wvn.save(arrays, path)
+
+def shrink():
+    os.truncate(path, 4096)
+
+if how == "verify":
+    calls = []
+    def progress(n):
+        calls.append(n)
+        if len(calls) == 1:
+            shrink()
+    report = weightvault.verify(path, progress=progress)
+    print("ok" if report.ok else "damaged", report.problems[:1])
+    sys.exit(0)
+ckpt = open_checkpoint(path)
+shrink()
+try:
+    if how == "numpy":
+        wvn.load_file(ckpt, verify=True)
+    elif how == "numpy_noverify":
+        wvn.load_file(ckpt)
+    elif how == "numpy_load":
+        wvn.load({k: np.zeros_like(v) for k, v in arrays.items()}, ckpt, verify=True)
+    elif how == "torch":
+        import weightvault.torch as wvt
+        wvt.load_file(ckpt, verify=True)
+    elif how == "torch_noverify":
+        import weightvault.torch as wvt
+        wvt.load_file(ckpt)
+    elif how == "torch_load":
+        import torch, weightvault.torch as wvt
+        m = torch.nn.ParameterDict({k: torch.zeros(1 << 18) for k in arrays})
+        wvt.load(m, ckpt, verify=True)
+    elif how == "torch_load_views":
+        # Views cannot be read straight into a parameter; they are copied from their base.
+        import torch, weightvault.torch as wvt
+        ckpt.close()
+        base = torch.arange(1 << 20, dtype=torch.float32)
+        wvt.save({"a": base[: 1 << 19], "b": base[1 << 18 :]}, path)
+        ckpt = open_checkpoint(path)
+        shrink()
+        m = torch.nn.ParameterDict({"a": torch.zeros(1 << 19), "b": torch.zeros(3 << 18)})
+        wvt.load(m, ckpt)
+except weightvault.FormatError as e:
+    print("FormatError", e)
+"""
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "verify",
+        "numpy",
+        "numpy_noverify",
+        "numpy_load",
+        pytest.param("torch", marks=needs_torch),
+        pytest.param("torch_noverify", marks=needs_torch),
+        pytest.param("torch_load", marks=needs_torch),
+        pytest.param("torch_load_views", marks=needs_torch),
+    ],
+)
+def test_truncated_after_open_is_no_sigbus(tmp_path: Path, how: str) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "shrinks.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE, str(path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # A SIGBUS shows as returncode -7 with no output.
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    if how == "verify":
+        assert result.stdout.startswith("damaged"), result.stdout
+        assert "the file ended before its bytes did" in result.stdout
+    else:
+        assert result.stdout.startswith("FormatError"), result.stdout
+        assert str(path) in result.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# The command line: one line and a documented exit code, never a traceback
+# ---------------------------------------------------------------------------------------
+
+
+def _hostile_files(tmp_path: Path) -> list[Path]:
+    """Every crafted case above, fuzzed files and bombs, each written to its own file."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_fuzz_smoke import _valid_files, case
+
+    valid = _valid_files()
+    payloads = [data for data, _ in CASES.values()]
+    payloads += [case(seed, valid) for seed in range(120)]
+    payloads += [_stride0_view(2**28), _copies(300, 1 << 16), *valid]
+    paths = []
+    for i, data in enumerate(payloads):
+        paths.append(_write(tmp_path, data, f"h{i}.safetensors"))
+    return paths
+
+
+def test_cli_never_raises_on_hostile_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from weightvault._cli import main
+
+    files = _hostile_files(tmp_path)
+    good = files[-1]
+    out = tmp_path / "out.safetensors"
+    codes: set[int] = set()
+    for path in files:
+        for argv in (
+            ["inspect", str(path)],
+            ["inspect", "--json", str(path)],
+            ["verify", str(path)],
+            ["diff", str(good), str(path)],
+            ["convert", str(path), str(out)],
+        ):
+            code = main(argv)  # an exception escaping main would end the CLI in a traceback
+            codes.add(code)
+            err = capsys.readouterr().err
+            assert code in (0, 1, 3), (argv, code, err)
+            assert "Traceback" not in err and err.count("\n") <= 1, (argv, err)
+            if code == 3:
+                assert err.startswith(f"weightvault {argv[0]}: "), err
+    assert codes == {0, 1, 3}
+
+
+@pytest.mark.parametrize(
+    "case", ["lone_surrogate_tensor_name", "stride0_diff", "truncated", "directory"]
+)
+def test_cli_subprocess_prints_no_traceback(tmp_path: Path, case: str) -> None:
+    import subprocess
+    import sys
+
+    good = _write(tmp_path, blob(TWO, TWO_DATA), "good.safetensors")
+    if case == "stride0_diff":
+        a = _write(tmp_path, _stride0_view(2**28), "a.safetensors")
+        b = _write(tmp_path, _stride0_view(2**28).replace(b"\x80?", b"\x00@"), "b.safetensors")
+        argv, expected = ["diff", str(a), str(b)], 3
+    elif case == "truncated":
+        argv, expected = ["inspect", str(_write(tmp_path, blob(TWO, TWO_DATA)[:-3]))], 3
+    elif case == "directory":
+        argv, expected = ["diff", str(good), str(tmp_path)], 3
+    else:
+        argv, expected = ["inspect", str(_write(tmp_path, CASES[case][0]))], 3
+    cli = [sys.executable, "-m", "weightvault._cli"]
+    result = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == expected, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"weightvault {argv[0]}:")
+
+
+def test_cli_unexpected_error_is_one_line_exit_4(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug reached by some input still ends in one line; WEIGHTVAULT_DEBUG shows where."""
+    from weightvault import _cli
+
+    def broken(path: object) -> None:
+        raise KeyError("deep\ninside")
+
+    monkeypatch.setattr(_cli, "inspect", broken)
+    path = _write(tmp_path, blob(TWO, TWO_DATA))
+    assert _cli.main(["inspect", str(path)]) == _cli.EXIT_UNEXPECTED == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("weightvault inspect: unexpected KeyError: 'deep\\ninside'")
+    assert "WEIGHTVAULT_DEBUG=1" in err
+    monkeypatch.setenv("WEIGHTVAULT_DEBUG", "1")
+    assert _cli.main(["inspect", str(path)]) == 4
+    assert "Traceback" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Copy detection stays near-linear: many distinct tensors of one shape
+# ---------------------------------------------------------------------------------------
+
+
+def _counting_same_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from weightvault import _plan
+
+    calls = [0]
+    real = _plan.same_bytes
+
+    def counted(a: Any, b: Any, chunk: int = 1 << 20) -> bool:
+        calls[0] += 1
+        return real(a, b, chunk)
+
+    monkeypatch.setattr(_plan, "same_bytes", counted)
+    return calls
+
+
+def test_copy_detection_compares_only_lookalikes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    import weightvault.numpy as wvn
+
+    calls = _counting_same_bytes(monkeypatch)
+    rng = np.random.default_rng(0)
+    arrays = {f"t{i}": rng.standard_normal((4, 4)).astype(np.float32) for i in range(2000)}
+    # Real copies, and a large pair equal in every sampled slice but one byte elsewhere.
+    arrays["copy_a"] = arrays["t7"].copy()
+    arrays["copy_b"] = arrays["t1999"].copy()
+    big = np.zeros(3 << 20, np.uint8)
+    arrays["big"], arrays["big_twin"] = big, big.copy()
+    arrays["big_twin"][1 << 20] = 1
+    report = wvn.save(arrays, tmp_path / "many.safetensors")
+    assert report.copies == {"copy_a": "t7", "copy_b": "t1999"}
+    # One exact comparison per true copy and one for the sampled lookalike; all pairs of
+    # 2,000 same-shape arrays would be about 2 million.
+    assert calls[0] == 3, calls[0]
+
+
+@needs_torch
+def test_inspecting_a_pt_of_distinct_tensors_compares_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert torch is not None
+    calls = _counting_same_bytes(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "distinct.pt"
+    torch.save({f"t{i}": torch.randn(4, 4, generator=g) for i in range(500)}, path)
+    info = weightvault.inspect(path)
+    assert len(info.names) == 500 and not info.copies
+    assert calls[0] == 0
+
+
+@needs_alarm
+def test_saving_4000_same_shape_arrays_is_fast(tmp_path: Path) -> None:
+    import numpy as np
+
+    import weightvault.numpy as wvn
+
+    rng = np.random.default_rng(1)
+    arrays = {f"t{i}": rng.standard_normal(16).astype(np.float32) for i in range(4000)}
+    # Pairwise comparison took about a minute; near-linear work takes well under a second.
+    with time_limit(20.0):
+        wvn.save(arrays, tmp_path / "many.safetensors")
+
+
+def test_convert_refuses_to_gather_a_copy_of_a_huge_stride0_view(tmp_path: Path) -> None:
+    manifest = {"version": 1, "views": {"v": ["a", "F32", [2**26], [0], 0]}, "copies": {"c": "v"}}
+    src = _write(tmp_path, blob(with_manifest(manifest, {"a": entry("F32", [1], 0, 4)}), bytes(4)))
+    dst = tmp_path / "out.safetensors"
+    tracemalloc.start()
+    try:
+        with pytest.raises(weightvault.FormatError, match=r"gathering 1 views would allocate"):
+            weightvault.convert(src, dst)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 << 20 and not dst.exists()
+    report = weightvault.convert(src, dst, max_bytes=1 << 30)
+    assert report.copies == {"c": "v"}
+
+
+def test_verify_reports_what_a_reader_should_not_have_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify() reports, never raises, even if a reader leaks an error it should wrap."""
+    import zlib
+
+    from weightvault import _inspect
+    from weightvault._reader import SafetensorsFile
+
+    path = _write(tmp_path, blob(TWO, TWO_DATA))
+
+    def leaky_open(p: object) -> None:
+        raise zlib.error("invalid stored block lengths")
+
+    with monkeypatch.context() as m:
+        m.setattr(_inspect, "open_checkpoint", leaky_open)
+        report = weightvault.verify(path)
+    assert not report.ok
+    assert report.problems == [f"{path}: unreadable (error: invalid stored block lengths)"]
+
+    def leaky_check(self: object, stored: str) -> bool:
+        raise MemoryError
+
+    monkeypatch.setattr(SafetensorsFile, "check", leaky_check)
+    report = weightvault.verify(path)
+    assert not report.ok and "tensor 'a': unreadable (MemoryError" in report.problems[0]

@@ -6,15 +6,20 @@ Exit codes (also in ``weightvault --help``):
     1  a check failed: verify found damage, or diff found differences
     2  usage error (bad arguments)
     3  an input could not be read: missing file, or not a valid checkpoint
+    4  an unexpected error: a one-line message, never a traceback; set
+       WEIGHTVAULT_DEBUG=1 to see the traceback (and please report it)
+  130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
@@ -24,7 +29,10 @@ from ._errors import FormatError, WeightvaultError
 from ._inspect import DiffReport, Inspection, diff, inspect, verify
 from ._progress import Progress, human
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE, EXIT_UNEXPECTED = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
+#: Set to 1 to let an unexpected error show its traceback.
+DEBUG_ENV = "WEIGHTVAULT_DEBUG"
 
 EPILOG = """\
 exit codes:
@@ -33,6 +41,9 @@ exit codes:
   2  usage error
   3  an input could not be read (missing file; for inspect and diff, also a
      file that is not a checkpoint; verify reports that as damage, exit 1)
+  4  unexpected error, reported in one line (WEIGHTVAULT_DEBUG=1 shows the
+     traceback; please report it)
+  130 interrupted
 
 examples:
   weightvault inspect model.safetensors
@@ -240,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run the CLI and return its exit code (see the module docstring)."""
-    out = out or sys.stdout
+    out = out or _printable(sys.stdout)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -255,8 +266,41 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         return EXIT_OK
     except (WeightvaultError, OSError) as e:
-        sys.stderr.write(f"weightvault {args.command}: {e}\n")
+        _error(args.command, str(e))
         return EXIT_UNREADABLE
+    except KeyboardInterrupt:
+        _error(args.command, "interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        # Hostile input must not end in a traceback: one line, a documented code, and
+        # the traceback only for someone debugging.
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            traceback.print_exc()
+        detail = " ".join(str(e)[:300].split())
+        _error(
+            args.command,
+            f"unexpected {type(e).__name__}: {detail} (set {DEBUG_ENV}=1 to see the "
+            "traceback, and please report it)",
+        )
+        return EXIT_UNEXPECTED
+
+
+def _printable(stream: TextIO) -> TextIO:
+    """``stream``, set to escape what its encoding cannot show instead of raising."""
+    if isinstance(stream, io.TextIOWrapper):
+        with contextlib.suppress(ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")
+    return stream
+
+
+def _error(command: str, message: str) -> None:
+    line = f"weightvault {command}: {message}\n"
+    with contextlib.suppress(OSError):
+        try:
+            sys.stderr.write(line)
+        except UnicodeEncodeError:
+            # The terminal's encoding cannot show a name in the message: escape it.
+            sys.stderr.write(line.encode("ascii", "backslashreplace").decode("ascii"))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -114,6 +114,7 @@ def convert(
     dry_run: bool = False,
     checksum: bool = True,
     dedupe_copies: bool = False,
+    max_bytes: int | None = None,
 ) -> SaveReport:
     """Write ``src``, in any supported format, as a weightvault file at ``dst``.
 
@@ -133,12 +134,17 @@ def convert(
         checksum: Record an xxh3-64 checksum of every stored tensor.
         dedupe_copies: Store copies once. Plain safetensors readers (and
             ``from_pretrained``) then miss the copies' names; weightvault restores them.
+        max_bytes: Most bytes that gathering views may allocate in all (a view is made
+            contiguous to be compared or stored on its own). By default the larger of
+            256 MiB and 16 times the source's size, so a tiny file of stride-0 views
+            cannot cost gigabytes; raise it for a trusted file.
 
     Returns:
         What was stored, aliased and copied, and the bytes before and after.
 
     Raises:
-        FormatError: ``src`` is malformed or in no supported format.
+        FormatError: ``src`` is malformed or in no supported format, or its views
+            would exceed ``max_bytes``.
         RuleError: The rules are malformed or map two names to one.
 
     Example:
@@ -149,6 +155,10 @@ def convert(
     """
     checked = _rules.check(rules)
     with opened(src) as ckpt:
+        # Stored tensors are passed on as they are; only views are gathered, at most a
+        # few times each (fingerprint, comparison, write).
+        gathered = sum(e.nbytes for e in ckpt.entries.values() if e.view is not None)
+        ckpt.materializing(gathered, f"gathering {len(ckpt.manifest.views)} views", max_bytes)
         metadata = {"converted_from": os.path.basename(ckpt.path)}
         metadata["source_format"] = str(getattr(ckpt, "format", None) or "safetensors")
         return rewrite(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -104,6 +105,7 @@ def parse_header(raw: bytes, file_size: int, where: str) -> Header:
         raise FormatError(f"{where}: {e}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"{where}: header is not valid UTF-8 JSON ({type(e).__name__})") from e
+    check_unicode(text, doc, where, "header")
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: header must be a JSON object, got {type(doc).__name__}")
 
@@ -124,6 +126,29 @@ def parse_header(raw: bytes, file_size: int, where: str) -> Header:
 
     _check_layout(tensors, data_size, where)
     return Header(tensors, metadata, data_start, file_size)
+
+
+#: A JSON escape of a UTF-16 surrogate; only these can smuggle a lone one into a string.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def check_unicode(text: str, doc: Any, where: str, what: str) -> None:
+    """Refuse JSON whose strings hold a lone surrogate (``"\\ud800"``).
+
+    Valid JSON may escape one, but it is no Unicode character: it cannot be encoded,
+    printed or written back, and safetensors' own parser refuses it. Escaped pairs
+    decode to one character and pass. Only text that holds such an escape is walked.
+    """
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    try:
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start : e.end].encode("utf-8", "backslashreplace").decode("ascii")
+        raise FormatError(
+            f"{where}: the {what} holds a lone UTF-16 surrogate ({bad}), which is not "
+            "Unicode; rewrite the file with valid names"
+        ) from None
 
 
 def _tensor_info(name: str, entry: Any, data_size: int, where: str) -> TensorInfo:

@@ -6,11 +6,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ._dtypes import describe
+from ._dtypes import describe, numel
 from ._errors import FormatError
 from ._manifest import FORMAT_VERSION
 from ._plan import same_bytes
-from ._reader import Checkpoint, open_checkpoint, opened
+from ._reader import Checkpoint, materialize_limit, open_checkpoint, opened
 from ._training import is_training
 
 PathLike = str | os.PathLike[str] | Checkpoint
@@ -155,10 +155,27 @@ def verify(
         ckpt = open_checkpoint(path)
     except (FormatError, OSError) as e:
         return VerifyReport(where, False, [str(e)])
+    except Exception as e:
+        # Every reader should raise FormatError for damage; should one not, the file is
+        # still reported as unreadable rather than crashing a caller that asked to check.
+        detail = " ".join(str(e)[:300].split())
+        return VerifyReport(where, False, [f"{where}: unreadable ({type(e).__name__}: {detail})"])
     with ckpt:
         problems = []
         for name, info in ckpt.stored.items():
-            if not ckpt.check(name):
+            try:
+                good = ckpt.check(name)
+            except (FormatError, OSError) as e:
+                # The file shrank or failed to read after its header was validated.
+                problems.append(str(e))
+                break
+            except Exception as e:
+                detail = " ".join(str(e)[:300].split())
+                problems.append(
+                    f"{where}: tensor {name!r}: unreadable ({type(e).__name__}: {detail})"
+                )
+                break
+            if not good:
                 problems.append(
                     f"checksum mismatch in {name!r} ({describe(info.dtype, info.shape)})"
                 )
@@ -208,6 +225,9 @@ def diff(a: PathLike, b: PathLike) -> DiffReport:
     """
     with opened(a) as ca, opened(b) as cb:
         out = DiffReport(ca.path, cb.path)
+        # Differences are computed in float64; a stride-0 view of a few bytes may stand
+        # for gigabytes of values, so what the comparison would allocate is capped.
+        cap, spent = materialize_limit(ca.size + cb.size), 0
         names_b = set(cb.names)
         out.removed = [n for n in ca.names if n not in names_b]
         names_a = set(ca.names)
@@ -225,8 +245,12 @@ def diff(a: PathLike, b: PathLike) -> DiffReport:
                 if same_bytes(ca.raw(ea.stored), cb.raw(eb.stored)):
                     out.same += 1
                     continue
+                spent += 32 * numel(ea.shape)
+                ca.materializing(spent, f"comparing {name!r} with {cb.path}", cap)
                 out.changed.append((name, _max_abs(ca, cb, name)))
             else:
+                spent += 32 * numel(ea.shape)
+                ca.materializing(spent, f"comparing {name!r} with {cb.path}", cap)
                 delta = _max_abs(ca, cb, name)
                 if delta == 0.0:
                     out.same += 1

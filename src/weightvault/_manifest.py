@@ -27,7 +27,7 @@ from typing import Any
 
 from ._dtypes import ITEMSIZE, numel
 from ._errors import FormatError
-from ._header import TensorInfo, fits_int64
+from ._header import TensorInfo, check_unicode, fits_int64
 
 MANIFEST_KEY = "weightvault"
 FORMAT_VERSION = 1
@@ -117,6 +117,7 @@ def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], wher
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{where}: the weightvault manifest is not valid JSON") from e
+    check_unicode(raw, doc, where, "weightvault manifest")
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: the weightvault manifest must be a JSON object")
     version = doc.get("version")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import mmap
 import os
 from collections.abc import Iterator, Mapping
@@ -114,7 +115,9 @@ class Checkpoint:
 
     def owns_memory(self, e: Entry) -> bool:
         """Whether ``e``'s tensor is a copy: memory of its own (shared with its aliases)."""
-        return self.entries[e.group].kind == "copy"
+        # Asked of the manifest, not of ``entries``: an alias may name internal storage,
+        # which is no entry of its own.
+        return e.group in self.manifest.copies
 
     def raw(self, stored: str) -> memoryview:
         """The bytes of a stored tensor."""
@@ -127,6 +130,41 @@ class Checkpoint:
     def read_into(self, stored: str, buffer: memoryview) -> bool:
         """Copy ``stored``'s bytes into ``buffer`` with file reads; ``False`` if unsupported."""
         return False
+
+    def read(self, stored: str) -> memoryview:
+        """A private, writable copy of ``stored``'s bytes.
+
+        File-backed checkpoints read it with ``preadv``, so a file truncated meanwhile is
+        a :class:`FormatError`, never the ``SIGBUS`` that touching a mapping would raise.
+        """
+        buffer = memoryview(bytearray(self.stored[stored].nbytes))
+        if buffer.nbytes and not self.read_into(stored, buffer):
+            buffer[:] = self.raw(stored)
+        return buffer
+
+    def materializing(self, nbytes: int, what: str, limit: int | None = None) -> None:
+        """Refuse to allocate ``nbytes`` for ``what`` if that is out of all proportion.
+
+        Aliases, copies and stride-0 views let a header of a few hundred bytes describe
+        gigabytes of values. A reader that builds every value eagerly asks here first,
+        with the total it is about to allocate.
+
+        Args:
+            nbytes: Bytes the read will allocate.
+            what: What is read, for the message.
+            limit: The caller's own cap; by default :func:`materialize_limit`.
+
+        Raises:
+            FormatError: ``nbytes`` exceeds the limit.
+        """
+        cap = materialize_limit(self.size) if limit is None else limit
+        if nbytes > cap:
+            raise FormatError(
+                f"{self.path}: {what} would allocate {nbytes} bytes, more than the "
+                f"{cap}-byte limit for a {self.size}-byte file (aliases, copies or "
+                "stride-0 views describe far more values than the file stores); if the "
+                "file is trusted, pass a larger max_bytes"
+            )
 
     def verify(self, stored: list[str] | None = None) -> None:
         """Check the checksums of ``stored`` (default: all), before any byte is used.
@@ -179,7 +217,11 @@ class SafetensorsFile(Checkpoint):
                 if self.header.file_size > self.header.data_start
                 else None
             )
-        self._fd = -1
+            # Reads, checksums included, go through this descriptor of the very file whose
+            # header was validated, never through the map (see :meth:`check`).
+            # A FileIO owns it, so a checkpoint dropped without close() does not leak it.
+            self._file: io.FileIO | None = io.FileIO(os.dup(f.fileno()), "rb")
+            self._fd = self._file.fileno()
         super().__init__(where, self.header.tensors, manifest)
 
     @property
@@ -206,7 +248,7 @@ class SafetensorsFile(Checkpoint):
         if buffer.nbytes != info.nbytes:
             return False
         if self._fd < 0:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            raise FormatError(f"{self.path}: tensor {stored!r}: the file is closed")
         read_fully(self._fd, buffer, self.header.data_start + info.start, self.path, stored)
         return True
 
@@ -214,12 +256,23 @@ class SafetensorsFile(Checkpoint):
         expected = self.manifest.sums.get(stored)
         if expected is None:
             return True
-        return xxhash.xxh3_64(self.raw(stored)).hexdigest() == expected
+        # Hashed from preadv'd chunks, not from the map: a file that shrinks meanwhile is
+        # then a FormatError instead of a SIGBUS that kills the process.
+        info = self.stored[stored]
+        h = xxhash.xxh3_64()
+        chunk = memoryview(bytearray(min(info.nbytes, _CHECK_CHUNK)))
+        done, start = 0, self.header.data_start + info.start
+        while done < info.nbytes:
+            part = chunk[: min(_CHECK_CHUNK, info.nbytes - done)]
+            read_fully(self._fd, part, start + done, self.path, stored)
+            h.update(part)
+            done += part.nbytes
+        return h.hexdigest() == expected
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._file is not None:
+            self._file.close()
+            self._file, self._fd = None, -1
         # Tensors built on the map keep their own export; closing then is refused, and the
         # map is released when the last of them goes.
         if self._map is not None:
@@ -262,6 +315,24 @@ class MemoryCheckpoint(Checkpoint):
 
     def raw(self, stored: str) -> memoryview:
         return self._data[stored]
+
+
+#: Checksums are computed over chunks of this size, so verifying needs no tensor-sized buffer.
+_CHECK_CHUNK = 16 << 20
+#: An eager reader may allocate this many bytes for any file, however small.
+MATERIALIZE_FLOOR = 256 << 20
+#: ... and this many times the file's size, for larger files.
+MATERIALIZE_RATIO = 16
+
+
+def materialize_limit(file_size: int) -> int:
+    """Bytes an eager read of a ``file_size``-byte file may allocate by default.
+
+    The larger of :data:`MATERIALIZE_FLOOR` (256 MiB) and :data:`MATERIALIZE_RATIO` (16)
+    times the file's size. A checkpoint that really holds more (a model of many equal
+    copies of one big tensor) is read by passing ``max_bytes``.
+    """
+    return max(MATERIALIZE_FLOOR, MATERIALIZE_RATIO * file_size)
 
 
 def read_fully(fd: int, buffer: memoryview, offset: int, where: str, name: str) -> None:

@@ -426,7 +426,9 @@ def _open(path: Source_) -> Checkpoint:
     return open_checkpoint(where)
 
 
-def load_file(path: Source_, *, mmap: bool = False, verify: bool = False) -> dict[str, Any]:
+def load_file(
+    path: Source_, *, mmap: bool = False, verify: bool = False, max_bytes: int | None = None
+) -> dict[str, Any]:
     """Read every name in ``path`` as a numpy array.
 
     Aliases come back as one shared array, copies as separate arrays with equal values,
@@ -437,6 +439,13 @@ def load_file(path: Source_, *, mmap: bool = False, verify: bool = False) -> dic
         mmap: Return read-only-in-spirit arrays backed by the file mapping (copy-on-write:
             writes never reach the file) instead of copies.
         verify: Check every checksum first.
+        max_bytes: Most bytes the arrays may take (stored tensors unless ``mmap``, and
+            every copy). By default the larger of 256 MiB and 16 times the file's size;
+            raise it for a trusted file that expands that much.
+
+    Raises:
+        FormatError: The file is not a valid checkpoint, or would exceed ``max_bytes``.
+        ChecksumError: ``verify`` and a tensor's bytes are damaged.
 
     Example:
         >>> arrays = load_file("model.safetensors")
@@ -445,11 +454,24 @@ def load_file(path: Source_, *, mmap: bool = False, verify: bool = False) -> dic
     """
     ckpt = _open(path)
     try:
+        # Views are views of their base and aliases share one array; what allocates is
+        # every base read without mmap and every copy.
+        copies = {e.group: e.nbytes for e in ckpt.entries.values() if ckpt.owns_memory(e)}
+        cost = sum(copies.values())
+        if not mmap:
+            cost += sum(t.nbytes for t in ckpt.stored.values())
+        ckpt.materializing(cost, f"reading {len(ckpt.names)} arrays", max_bytes)
         if verify:
             ckpt.verify()
-        bases = {s: _base(ckpt, s) for s in ckpt.stored}
-        if not mmap:
-            bases = {s: b.copy() for s, b in bases.items()}
+        if mmap:
+            bases = {s: _base(ckpt, s) for s in ckpt.stored}
+        else:
+            # Private copies read with preadv: a file truncated meanwhile is a
+            # FormatError, where copying out of the map would die of SIGBUS.
+            bases = {
+                s: np.frombuffer(ckpt.read(s), dtype=NUMPY[t.dtype]).reshape(t.shape)
+                for s, t in ckpt.stored.items()
+            }
         out: dict[str, Any] = {}
         groups: dict[str, Any] = {}
         for name in ckpt.names:

@@ -197,26 +197,44 @@ def save(
     )
 
 
-def _read(ckpt: Checkpoint, e: Entry) -> np.ndarray:
-    """A fresh array holding the values of ``e`` (the caller owns it)."""
-    info = ckpt.stored[e.stored]
-    raw = ckpt.raw(e.stored) if info.nbytes else memoryview(b"")
+def _read(ckpt: Checkpoint, e: Entry, bases: dict[str, memoryview]) -> np.ndarray:
+    """A fresh array holding the values of ``e`` (the caller owns it).
+
+    Bytes are read with ``preadv``, not through a mapping, so a file truncated meanwhile
+    is a :class:`FormatError` instead of a ``SIGBUS``. ``bases`` caches the stored
+    tensors that views read, so each is read once.
+    """
     if e.view is None:
-        return np.frombuffer(raw, dtype=dtype_of(e.dtype)).reshape(e.shape).copy()
+        out = np.empty(e.shape, dtype=dtype_of(e.dtype))
+        flat = out.reshape(-1).view(np.uint8)
+        if flat.nbytes and not ckpt.read_into(e.stored, flat.data):
+            flat[:] = np.frombuffer(ckpt.raw(e.stored), dtype=np.uint8)
+        return out
     v = e.view
     dt = dtype_of(v.dtype)
     if not v.span():
         return np.empty(v.shape, dtype=dt)
+    if e.stored not in bases:
+        bases[e.stored] = ckpt.read(e.stored)
     # as_strided goes through __array_interface__, which loses ml_dtypes' types (an
     # F8_E5M2 view raised TypeError): stride over unsigned integers of the same width.
     word = np.dtype(f"<u{dt.itemsize}")
-    base = np.frombuffer(raw, dtype=np.uint8)[v.offset : v.offset + v.span()].view(word)
+    raw = np.frombuffer(bases[e.stored], dtype=np.uint8)
+    base = raw[v.offset : v.offset + v.span()].view(word)
     strides = tuple(s * dt.itemsize for s in v.stride)
     out = np.lib.stride_tricks.as_strided(base, v.shape, strides, writeable=False).copy()
     return out.view(dt)
 
 
-def load_file(path: Source_, *, verify: bool = False) -> dict[str, np.ndarray]:
+def _cost(ckpt: Checkpoint, names: list[str]) -> int:
+    """Bytes that reading ``names`` allocates: every value, and each base a view reads."""
+    bases = {ckpt.entry(n).stored for n in names if ckpt.entry(n).view is not None}
+    return sum(ckpt.entry(n).nbytes for n in names) + sum(ckpt.stored[s].nbytes for s in bases)
+
+
+def load_file(
+    path: Source_, *, verify: bool = False, max_bytes: int | None = None
+) -> dict[str, np.ndarray]:
     """Read every name in ``path`` as its own numpy array.
 
     Aliases and copies come back as separate arrays with equal values; views as arrays
@@ -225,6 +243,14 @@ def load_file(path: Source_, *, verify: bool = False) -> dict[str, np.ndarray]:
     Args:
         path: Any supported file (see the module docstring), or an open checkpoint.
         verify: Check every checksum first (weightvault files only record them).
+        max_bytes: Most bytes the arrays may take. By default the larger of 256 MiB and
+            16 times the file's size, so that a tiny hostile file whose aliases, copies
+            or stride-0 views describe gigabytes is refused before anything is
+            allocated; raise it for a trusted file that really expands that much.
+
+    Raises:
+        FormatError: The file is not a valid checkpoint, or would exceed ``max_bytes``.
+        ChecksumError: ``verify`` and a tensor's bytes are damaged.
 
     Example:
         >>> arrays = load_file("model-0000.params")      # an MXNet file
@@ -232,9 +258,12 @@ def load_file(path: Source_, *, verify: bool = False) -> dict[str, np.ndarray]:
         dtype('float32')
     """
     with opened(path) as ckpt:
+        names = ckpt.names
+        ckpt.materializing(_cost(ckpt, names), f"reading {len(names)} arrays", max_bytes)
         if verify:
             ckpt.verify()
-        return {name: _read(ckpt, ckpt.entry(name)) for name in ckpt.names}
+        bases: dict[str, memoryview] = {}
+        return {name: _read(ckpt, ckpt.entry(name), bases) for name in names}
 
 
 def load(
@@ -277,7 +306,8 @@ def load(
         lp = plan_load(ckpt, targets, rules=rules, strict=strict, cast=cast, tie=tie)
         if verify:
             ckpt.verify(sorted({ckpt.entry(a.source).stored for a in lp.assignments}))
-        values = [(a, _read(ckpt, ckpt.entry(a.source))) for a in lp.assignments]
+        bases: dict[str, memoryview] = {}
+        values = [(a, _read(ckpt, ckpt.entry(a.source), bases)) for a in lp.assignments]
     for assignment, value in values:
         target = arrays[assignment.names[0]]
         np.copyto(target, value, casting="unsafe" if assignment.cast else "no")

@@ -327,6 +327,11 @@ def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
     dtype = DTYPES[info.dtype]
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dtype)
+    if not mmap:
+        # A private copy read with preadv: a file truncated meanwhile is a FormatError,
+        # where copying out of the map would die of SIGBUS.
+        flat = torch.frombuffer(ckpt.read(stored), dtype=torch.uint8)
+        return flat.view(dtype).reshape(info.shape)
     data = ckpt.raw(stored)
     if data.readonly:
         # Read-only memory (decoded foreign formats) can back no tensor safely: copy it.
@@ -335,8 +340,6 @@ def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
             flat = torch.frombuffer(data, dtype=torch.uint8).clone()
     else:
         flat = torch.frombuffer(data, dtype=torch.uint8)
-        if not mmap:
-            flat = flat.clone()
     return flat.view(dtype).reshape(info.shape)
 
 
@@ -351,14 +354,15 @@ def _value(ckpt: Checkpoint, e: Entry, base: torch.Tensor) -> torch.Tensor:
     return sub.as_strided(v.shape, v.stride)
 
 
-def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
-    """A zero-copy tensor over the file mapping for any name (stored, alias, copy, view)."""
+def _read(ckpt: Checkpoint, name: str, *, mmap: bool = True) -> torch.Tensor:
+    """A tensor for any name (stored, alias, copy, view): over the file mapping, or with
+    ``mmap=False`` over a private copy of its stored tensor read with ``preadv``."""
     e = ckpt.entry(name)
-    return _value(ckpt, e, _base(ckpt, e.stored, mmap=True))
+    return _value(ckpt, e, _base(ckpt, e.stored, mmap=mmap))
 
 
 def load_file(
-    path: Source_, *, mmap: bool = False, verify: bool = False
+    path: Source_, *, mmap: bool = False, verify: bool = False, max_bytes: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Read every name in ``path`` as a tensor.
 
@@ -370,6 +374,14 @@ def load_file(
         mmap: Return tensors backed by the file mapping (copy-on-write: writes never reach
             the file). Nothing is read until used; best for inference.
         verify: Check every checksum first.
+        max_bytes: Most bytes the tensors may take (stored tensors unless ``mmap``, and
+            every copy). By default the larger of 256 MiB and 16 times the file's size,
+            so that a tiny hostile file whose copies describe gigabytes is refused before
+            anything is allocated; raise it for a trusted file that expands that much.
+
+    Raises:
+        FormatError: The file is not a valid checkpoint, or would exceed ``max_bytes``.
+        ChecksumError: ``verify`` and a tensor's bytes are damaged.
 
     Example:
         >>> tensors = load_file("model.safetensors")
@@ -377,6 +389,13 @@ def load_file(
         True
     """
     with opened(path) as ckpt:
+        # Views are views of their base and aliases share one tensor; what allocates is
+        # every base read without mmap and every copy.
+        copies = {e.group: e.nbytes for e in ckpt.entries.values() if ckpt.owns_memory(e)}
+        cost = sum(copies.values())
+        if not mmap:
+            cost += sum(t.nbytes for t in ckpt.stored.values())
+        ckpt.materializing(cost, f"reading {len(ckpt.names)} tensors", max_bytes)
         if verify:
             ckpt.verify()
         bases = {s: _base(ckpt, s, mmap=mmap) for s in ckpt.stored}
@@ -561,7 +580,7 @@ def _assign(
     target = tensors[a.names[0]]
     if not mmap and transform is None and _read_direct(ckpt, a.source, target):
         return
-    source = _read(ckpt, a.source)
+    source = _read(ckpt, a.source, mmap=mmap)
     if transform is not None:
         source = source.permute(transform.axes_for(source.dim()))
     if mmap:
