@@ -915,6 +915,25 @@ def test_stride0_view_reads_when_the_caller_raises_the_limit(tmp_path: Path) -> 
     assert out["v"].shape == (2**20,) and np.all(out["v"] == 1.0)
 
 
+def test_one_environment_variable_sets_every_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WEIGHTVAULT_MAX_DECODED_BYTES limits eager safetensors reads as it limits the
+    foreign readers, both ways: lower than the default, and higher."""
+    import weightvault.numpy as wvn
+
+    path = _write(tmp_path, _stride0_view(2**20))
+    monkeypatch.setenv("WEIGHTVAULT_MAX_DECODED_BYTES", "1000")
+    with pytest.raises(weightvault.FormatError, match="WEIGHTVAULT_MAX_DECODED_BYTES"):
+        wvn.load_file(path)
+    big = _write(tmp_path, _stride0_view(2**26 + 2**24), name="big.safetensors")
+    with pytest.raises(weightvault.FormatError):
+        monkeypatch.delenv("WEIGHTVAULT_MAX_DECODED_BYTES")
+        wvn.load_file(big)  # 320 MiB from a few hundred bytes: over the default
+    monkeypatch.setenv("WEIGHTVAULT_MAX_DECODED_BYTES", str(1 << 30))
+    assert wvn.load_file(big)["v"].shape == (2**26 + 2**24,)
+
+
 @needs_torch
 def test_torch_reads_a_stride0_view_lazily(tmp_path: Path) -> None:
     """A view of its base allocates nothing, so torch reads what numpy must refuse."""

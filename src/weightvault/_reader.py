@@ -23,6 +23,7 @@ import xxhash
 from ._dtypes import ITEMSIZE, numel
 from ._errors import ChecksumError, FormatError, capped
 from ._header import Header, TensorInfo, read_header
+from ._limits import ENV_VAR, resolve_limit
 from ._manifest import INTERNAL_PREFIX, Manifest, View, read_manifest
 
 Kind = Literal["stored", "alias", "copy", "view"]
@@ -163,7 +164,7 @@ class Checkpoint:
                 f"{self.path}: {what} would allocate {nbytes} bytes, more than the "
                 f"{cap}-byte limit for a {self.size}-byte file (aliases, copies or "
                 "stride-0 views describe far more values than the file stores); if the "
-                "file is trusted, pass a larger max_bytes"
+                f"file is trusted, pass a larger max_bytes= or set {ENV_VAR}"
             )
 
     def verify(self, stored: list[str] | None = None) -> None:
@@ -330,8 +331,12 @@ def materialize_limit(file_size: int) -> int:
 
     The larger of :data:`MATERIALIZE_FLOOR` (256 MiB) and :data:`MATERIALIZE_RATIO` (16)
     times the file's size. A checkpoint that really holds more (a model of many equal
-    copies of one big tensor) is read by passing ``max_bytes``.
+    copies of one big tensor) is read by passing ``max_bytes``, or, for the whole process,
+    with the environment variable ``WEIGHTVAULT_MAX_DECODED_BYTES`` that also limits the
+    foreign-format readers (:mod:`weightvault._limits`): one knob for every cap.
     """
+    if os.environ.get(ENV_VAR, "").strip():
+        return resolve_limit(file_size)[0]
     return max(MATERIALIZE_FLOOR, MATERIALIZE_RATIO * file_size)
 
 
