@@ -97,3 +97,23 @@ def test_plot_writes_a_png(vault, tmp_path):
     code, out = run("vault", str(root), "plot", "-o", str(png))
     assert code == 0 and str(png) in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_keeps_copies_for_plain_readers_unless_asked(tmp_path: Path) -> None:
+    """The vault stores two equal tensors once; export writes both names as tensors by
+    default (plain readers see them) and once with --dedupe-copies."""
+    from safetensors import safe_open
+
+    v = weightvault.Vault(tmp_path / "v")
+    v.save({"a": torch.ones(256), "b": torch.ones(256)}, "one")
+    plain, deduped = tmp_path / "plain.safetensors", tmp_path / "deduped.safetensors"
+    assert run("vault", str(tmp_path / "v"), "export", "one", str(plain))[0] == 0
+    code, _ = run("vault", str(tmp_path / "v"), "export", "one", str(deduped), "--dedupe-copies")
+    assert code == 0
+    with safe_open(str(plain), "pt") as f:
+        assert sorted(f.keys()) == ["a", "b"]
+    with safe_open(str(deduped), "pt") as f:
+        assert sorted(f.keys()) == ["a"]
+    assert plain.stat().st_size - deduped.stat().st_size >= 256 * 4
+    for path in (plain, deduped):
+        assert torch.equal(wv.load_file(path)["b"], torch.ones(256))

@@ -127,7 +127,7 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
-    size = vault.export(args.name, args.file)
+    size = vault.export(args.name, args.file, dedupe_copies=args.dedupe_copies)
     if args.json:
         json.dump({"file": args.file, "bytes": size}, out)
         out.write("\n")
@@ -222,6 +222,12 @@ def register(sub: Subparsers) -> None:
     p = verb("export", cmd_export, "Write one checkpoint as a standalone safetensors file.")
     p.add_argument("name")
     p.add_argument("file")
+    p.add_argument(
+        "--dedupe-copies",
+        action="store_true",
+        help="store tensors with equal bytes once, as the vault does (plain safetensors "
+        "readers then miss the copies' names)",
+    )
     p = verb("rm", cmd_rm, "Delete checkpoints (their bytes are freed by the next gc).")
     p.add_argument("names", nargs="+")
     p = verb("plot", cmd_plot, "Draw cumulative bytes on disk: vault versus separate files.")
