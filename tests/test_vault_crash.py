@@ -121,14 +121,19 @@ def test_saves_killed_with_sigkill_leave_only_whole_checkpoints(tmp_path: Path) 
     interrupted = left_behind = child = 0
     try:
         assert line() == "ready"
-        for rnd in range(6):
+        # Six rounds, or more on a loaded machine until three saves have committed: each
+        # round without a commit lets the next child live longer before its SIGKILL.
+        dry = 0
+        for rnd in range(16):
+            if rnd >= 6 and len(seen) >= 3:
+                break
             first = 10_000 * (rnd + 1)
             proc.stdin.write(f"go {first}\n")
             proc.stdin.flush()
             kind, pid = line().split()
             assert kind == "child"
             child = int(pid)
-            time.sleep(rng.uniform(0.02, 0.25))
+            time.sleep(rng.uniform(0.02, 0.25) + 0.25 * dry)
             os.kill(child, signal.SIGKILL)
             kind, status = line().split()
             assert kind == "reaped"
@@ -136,9 +141,11 @@ def test_saves_killed_with_sigkill_leave_only_whole_checkpoints(tmp_path: Path) 
             assert os.WIFSIGNALED(int(status)) and os.WTERMSIG(int(status)) == signal.SIGKILL
 
             new = check_vault(root, WIDTH, seen)
+            dry = 0 if new else dry + 1
             # Saves run one after another: the committed ones are a prefix of the seeds.
             assert sorted(seen[n] for n in new) == list(range(first, first + len(new)))
-            intents = len(list((root / "intents").iterdir()))
+            folder = root / "intents"  # absent if no child got as far as an intent
+            intents = len(list(folder.iterdir())) if folder.exists() else 0
             interrupted += intents > left_behind  # killed between intent and its removal
             left_behind = intents
         proc.stdin.write("quit\n")
