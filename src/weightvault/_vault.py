@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import blake3
 import xxhash
@@ -50,6 +50,9 @@ from ._reader import Checkpoint, read_fully
 from ._reports import LoadReport
 from ._store import Store, open_store
 from ._writer import layout, write
+
+if TYPE_CHECKING:
+    from ._dcp_record import DcpCheckpoint
 
 FORMAT = "weightvault-vault"
 VERSION = 1
@@ -170,6 +173,10 @@ class VaultCheckpoint(Checkpoint):
                 out[name] = f"object holds {size} bytes, expected {info.nbytes}"
         return out
 
+    def object_nbytes(self, label: str) -> int:
+        """The size the object named under ``label`` in :attr:`objects` must have."""
+        return self.stored[label].nbytes
+
     def fetch(self) -> None:
         """Bring every object into memory now, concurrently (used for remote stores)."""
         keys = {_object_key(h): n for n, h in self.objects.items() if n not in self._cache}
@@ -225,6 +232,15 @@ class VaultCheckpoint(Checkpoint):
         if expected is not None:
             return xxhash.xxh3_64(self.raw(stored)).hexdigest() == expected
         return content_hash(self.raw(stored)) == self.objects[stored]
+
+
+def _open_record(store: Store, name: str, doc: Mapping[str, Any]) -> VaultCheckpoint | DcpCheckpoint:
+    # weightvault.dcp commits records of kind "dcp": tensors kept as shard chunks.
+    if doc.get("kind") == "dcp":
+        from ._dcp_record import DcpCheckpoint
+
+        return DcpCheckpoint(store, name, doc)
+    return VaultCheckpoint(store, name, doc)
 
 
 def _data_size(raw: bytes, where: str) -> int:
@@ -500,10 +516,10 @@ class Vault:
             raise CheckpointNotFoundError(f"{self.url}: the vault has no checkpoints yet")
         return records[-1].name
 
-    def open(self, name: str = "latest") -> VaultCheckpoint:
+    def open(self, name: str = "latest") -> VaultCheckpoint | DcpCheckpoint:
         """Open a checkpoint for reading, as a :class:`Checkpoint` any adapter can load."""
         resolved = self._resolve(name)
-        ckpt = VaultCheckpoint(self.store, resolved, self._doc(resolved))
+        ckpt = _open_record(self.store, resolved, self._doc(resolved))
         if not self.store.local:
             ckpt.fetch()
         return ckpt
@@ -584,7 +600,7 @@ class Vault:
                 beat()
             for name in self._names():
                 try:
-                    ckpt = VaultCheckpoint(self.store, name, self._doc(name))
+                    ckpt = _open_record(self.store, name, self._doc(name))
                 except CheckpointNotFoundError:
                     continue
                 except FormatError as e:
@@ -625,7 +641,7 @@ class Vault:
         names = self._names()
         for name in sorted(names):
             try:
-                ckpt = VaultCheckpoint(self.store, name, self._doc(name))
+                ckpt = _open_record(self.store, name, self._doc(name))
             except (FormatError, CheckpointNotFoundError) as e:
                 problems.append(f"{name}: record unreadable: {e}")
                 continue
@@ -633,16 +649,18 @@ class Vault:
                 if digest not in verdict:
                     verdict[digest] = self._check_object(ckpt, stored, digest)
                     if progress:
-                        progress(ckpt.stored[stored].nbytes)
+                        progress(ckpt.object_nbytes(stored))
                 if verdict[digest]:
                     problems.append(f"{name}: tensor {stored!r}: {verdict[digest]}")
             ckpt.close()
         return VaultVerifyReport(not problems, problems, len(names), len(verdict))
 
-    def _check_object(self, ckpt: VaultCheckpoint, stored: str, digest: str) -> str | None:
+    def _check_object(
+        self, ckpt: VaultCheckpoint | DcpCheckpoint, stored: str, digest: str
+    ) -> str | None:
         key = _object_key(digest)
         size = self.store.size(key)
-        expected = ckpt.stored[stored].nbytes
+        expected = ckpt.object_nbytes(stored)
         if size is None:
             return f"object {digest[:12]} is missing"
         if size != expected:
