@@ -174,8 +174,19 @@ def assert_matches_oracle(path: str, flat: dict[str, torch.Tensor], rest: Any) -
 # -- rank bodies ------------------------------------------------------------------------
 
 
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
 def save_fsdp(rank: int, world: int, root: str, oracle: str, name: str) -> None:
-    """Shard, train a step, save with weightvault.dcp, and write the gathered oracle."""
+    """Shard, train a step, save with weightvault.dcp (twice), and write the gathered oracle.
+
+    Beside it, DCP's FileSystemWriter saves the same state; rank 0 writes both sizes, the
+    unique bytes of the state and the second checkpoint's new bytes to ``oracle.sizes.json``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     import weightvault.dcp as wdcp
 
     model = shard(gpt2(0), world)
@@ -183,12 +194,35 @@ def save_fsdp(rank: int, world: int, root: str, oracle: str, name: str) -> None:
     train_step(model, opt, 1)
     rec = wdcp.save(model, root, name, optimizer=opt, metadata={"step": "1"})
     assert rec.name == name
+    objects = _dir_bytes(os.path.join(root, "objects"))
+    msd, osd = get_state_dict(model, opt)
+    fs_dir = oracle + ".distcp"
+    dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(fs_dir))
     flat, rest = full_state(model, opt)
     if rank == 0:
         write_oracle(oracle, flat, rest)
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         with open(oracle + ".frozen.json", "w") as f:
             json.dump(frozen, f)
+    # A second step: the frozen block's chunks are already in the vault.
+    train_step(model, opt, 2)
+    rec2 = wdcp.save(model, root, name + "-next", optimizer=opt)
+    if rank == 0:
+        unique = sum(v.numel() * v.element_size() for k, v in flat.items() if k != "model.lm_head.weight")
+        frozen_bytes = sum(
+            v.numel() * v.element_size() for k, v in flat.items() if k.startswith("model.transformer.h.0.")
+        )
+        sizes = {
+            "unique": unique,
+            "vault_objects": objects,
+            "filesystem_writer": _dir_bytes(fs_dir),
+            "record_stored": rec.stored_bytes,
+            "next_new": rec2.new_bytes,
+            "next_stored": rec2.stored_bytes,
+            "frozen_bytes": frozen_bytes,
+        }
+        with open(oracle + ".sizes.json", "w") as f:
+            json.dump(sizes, f)
 
 
 def load_fsdp(rank: int, world: int, root: str, oracle: str, name: str, stats_path: str) -> None:
@@ -209,3 +243,110 @@ def load_fsdp(rank: int, world: int, root: str, oracle: str, name: str, stats_pa
             assert frozen == json.load(f)
         with open(stats_path, "w") as f:
             json.dump(reads, f)
+
+
+def ddp_roundtrip(rank: int, world: int, root: str) -> None:
+    """DDP replicates every tensor: each is written by one rank, and loads back equal."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import weightvault.dcp as wdcp
+
+    model = DDP(gpt2(0))
+    opt = optimizer(model)
+    train_step(model, opt, 1)
+    writer_bytes: list[Any] = [None] * world
+    import weightvault.dcp as _w
+
+    real = _w.VaultWriter
+    made: list[Any] = []
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            made.append(self)
+
+    _w.VaultWriter = Counting  # type: ignore[misc]
+    try:
+        rec = wdcp.save(model, root, "ddp", optimizer=opt)
+    finally:
+        _w.VaultWriter = real  # type: ignore[misc]
+    dist.all_gather_object(writer_bytes, made[0].written_bytes)
+    # Every distinct tensor once across the ranks, never once per rank.
+    assert sum(writer_bytes) == rec.stored_bytes, (writer_bytes, rec.stored_bytes)
+    assert all(b > 0 for b in writer_bytes), writer_bytes  # DCP spreads the writes
+    want = {k: v.clone() for k, v in model.module.state_dict().items()}
+    want_opt = {k: {n: t.clone() for n, t in st.items()} for k, st in opt.state_dict()["state"].items()}
+    fresh = DDP(gpt2(5))
+    fresh_opt = optimizer(fresh)
+    wdcp.load(fresh, root, "ddp", optimizer=fresh_opt)
+    got = fresh.module.state_dict()
+    assert fresh.module.lm_head.weight is fresh.module.transformer["wte"].weight
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    got_opt = fresh_opt.state_dict()["state"]
+    assert got_opt.keys() == want_opt.keys()
+    for k, st in want_opt.items():
+        for n, t in st.items():
+            assert torch.equal(got_opt[k][n], t), (k, n)
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def crash_mid_save(rank: int, world: int, root: str) -> None:
+    """Rank 1 fails after writing some objects: nothing is committed, the earlier loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import weightvault
+    import weightvault.dcp as wdcp
+
+    model = shard(gpt2(0), world)
+    opt = optimizer(model)
+    train_step(model, opt, 1)
+    wdcp.save(model, root, "good", optimizer=opt)
+    want, rest = full_state(model, opt)
+    train_step(model, opt, 2)
+
+    class Failing(wdcp.VaultWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if rank == 1:
+                store = self.vault.store
+                real_put = store.put
+                calls = [0]
+
+                def put(key: str, data: Any, **kw: Any) -> bool:
+                    if key.startswith("objects/"):
+                        calls[0] += 1
+                        if calls[0] > 2:
+                            raise _Crash("disk gone")
+                    return real_put(key, data, **kw)
+
+                store.put = put  # type: ignore[method-assign]
+            return super().write_data(plan, planner)
+
+    msd, osd = get_state_dict(model, opt)
+    try:
+        dcp.save(
+            {"model": msd, "optim": osd},
+            storage_writer=Failing(weightvault.Vault(root), "bad"),
+            planner=wdcp.VaultSavePlanner(model_prefix="model."),
+        )
+    except CheckpointException as e:  # DCP raises a rank's error on every rank
+        assert "disk gone" in str(e), e
+    else:
+        raise AssertionError("the save should have failed")
+    dist.barrier()
+    v = weightvault.Vault(root)
+    assert [r.name for r in v.list()] == ["good"]
+    fresh = shard(gpt2(3), world)
+    fresh_opt = optimizer(fresh)
+    wdcp.load(fresh, root, "latest", optimizer=fresh_opt)
+    got, got_rest = full_state(fresh, fresh_opt)
+    if rank == 0:
+        assert sorted(got) == sorted(want)
+        for k, t in want.items():
+            assert torch.equal(got[k], t), k
+        assert got_rest == rest

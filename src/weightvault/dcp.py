@@ -250,6 +250,18 @@ class _Value:
     value: Any
 
 
+def _plain_value(planner: SavePlanner, item: WriteItem) -> Any:
+    """A non-tensor value of the state, without a pickle round trip where DCP allows."""
+    if isinstance(planner, dcp.DefaultSavePlanner):
+        return planner.lookup_object(item.index)
+    # Other planners only hand out a torch.save blob, made in this process from the state;
+    # the safe unpickler lets plain values through and refuses anything else.
+    data = planner.resolve_data(item)
+    assert isinstance(data, io.BytesIO)
+    data.seek(0)
+    return torch.load(data, weights_only=True)
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
@@ -334,15 +346,11 @@ class VaultWriter(StorageWriter):
             self._info = planner.info()
         pending: list[tuple[WriteItem, memoryview | None, Any]] = []
         for item in plan.items:
-            data = planner.resolve_data(item)
+            where = f"{self.vault.url}: {item.index.fqn}"
             if item.type == WriteItemType.BYTE_IO:
-                # DCP's planner hands a torch.save blob made in this process from the
-                # state's own value; only plain values are let out of it, as JSON.
-                assert isinstance(data, io.BytesIO)
-                data.seek(0)
-                value = torch.load(data, weights_only=True)
-                pending.append((item, None, _to_json(value, f"{self.vault.url}: {item.index.fqn}")))
+                pending.append((item, None, _to_json(_plain_value(planner, item), where)))
             else:
+                data = planner.resolve_data(item)
                 pending.append((item, _tensor_bytes(cast(torch.Tensor, data)), None))
         digests = {id(raw): content_hash(raw) for _, raw, _ in pending if raw is not None}
         intent = f"intents/{uuid.uuid4().hex}.json"
@@ -404,13 +412,19 @@ class VaultWriter(StorageWriter):
         names = info.get("names") or [*tensors, *ties]
         prefix = str(info.get("model_prefix", ""))
         frozen = list(info.get("frozen", []))
-        written = {r.storage_data.digest: r.storage_data for r in flat if isinstance(r.storage_data, _Written)}
+        written: dict[str, _Written] = {}
+        for r in flat:
+            w = r.storage_data
+            if isinstance(w, _Written) and (w.digest not in written or w.new):
+                written[w.digest] = w  # one rank's "new" wins: it wrote the object
         stored_bytes = sum(w.nbytes for w in written.values())
-        logical = stored_bytes
-        for alias, canon in ties.items():
-            logical += sum(
-                _chunk_nbytes(tensors[canon]["dtype"], c[1]) for c in tensors[canon]["chunks"]
-            )
+        # Logical: every name's bytes, the tied alias included, as a plain state dict holds.
+        logical = sum(
+            _chunk_nbytes(t["dtype"], c[1])
+            for fqn in [*tensors, *ties]
+            for t in [tensors[ties.get(fqn, fqn)]]
+            for c in t["chunks"]
+        )
         parsed = parse_tensors(tensors, self.vault.url)
         header = model_header(parsed, ties, names, frozen, prefix, "pt", self.metadata)
         doc = {
