@@ -59,8 +59,12 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(EMBD), nn.LayerNorm(EMBD)
-        self.attn = nn.ModuleDict({"c_attn": nn.Linear(EMBD, 3 * EMBD), "c_proj": nn.Linear(EMBD, EMBD)})
-        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(EMBD, 4 * EMBD), "c_proj": nn.Linear(4 * EMBD, EMBD)})
+        self.attn = nn.ModuleDict(
+            {"c_attn": nn.Linear(EMBD, 3 * EMBD), "c_proj": nn.Linear(EMBD, EMBD)}
+        )
+        self.mlp = nn.ModuleDict(
+            {"c_fc": nn.Linear(EMBD, 4 * EMBD), "c_proj": nn.Linear(4 * EMBD, EMBD)}
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.attn["c_attn"](self.ln_1(x)).split(EMBD, dim=-1)
@@ -128,7 +132,9 @@ def optimizer(model: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def full_state(model: Any, opt: torch.optim.Optimizer | None) -> tuple[dict[str, torch.Tensor], Any]:
+def full_state(
+    model: Any, opt: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], Any]:
     """The gathered full state on rank 0: flat tensors, and the JSON-able rest."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -208,9 +214,13 @@ def save_fsdp(rank: int, world: int, root: str, oracle: str, name: str) -> None:
     train_step(model, opt, 2)
     rec2 = wdcp.save(model, root, name + "-next", optimizer=opt)
     if rank == 0:
-        unique = sum(v.numel() * v.element_size() for k, v in flat.items() if k != "model.lm_head.weight")
+        unique = sum(
+            v.numel() * v.element_size() for k, v in flat.items() if k != "model.lm_head.weight"
+        )
         frozen_bytes = sum(
-            v.numel() * v.element_size() for k, v in flat.items() if k.startswith("model.transformer.h.0.")
+            v.numel() * v.element_size()
+            for k, v in flat.items()
+            if k.startswith("model.transformer.h.0.")
         )
         sizes = {
             "unique": unique,
@@ -275,7 +285,9 @@ def ddp_roundtrip(rank: int, world: int, root: str) -> None:
     assert sum(writer_bytes) == rec.stored_bytes, (writer_bytes, rec.stored_bytes)
     assert all(b > 0 for b in writer_bytes), writer_bytes  # DCP spreads the writes
     want = {k: v.clone() for k, v in model.module.state_dict().items()}
-    want_opt = {k: {n: t.clone() for n, t in st.items()} for k, st in opt.state_dict()["state"].items()}
+    want_opt = {
+        k: {n: t.clone() for n, t in st.items()} for k, st in opt.state_dict()["state"].items()
+    }
     fresh = DDP(gpt2(5))
     fresh_opt = optimizer(fresh)
     wdcp.load(fresh, root, "ddp", optimizer=fresh_opt)

@@ -14,7 +14,6 @@ This module imports no framework; :mod:`weightvault.dcp` writes these records.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -69,7 +68,10 @@ def parse_tensors(section: Mapping[str, Any], where: str) -> dict[str, ChunkedTe
                 c = Chunk(tuple(int(o) for o in off), tuple(int(s) for s in sizes), str(digest))
                 if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
                     raise ValueError(f"chunk rank differs from the tensor's ({fqn})")
-                if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)):
+                if any(
+                    o < 0 or s < 0 or o + s > n
+                    for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)
+                ):
                     raise ValueError(f"chunk out of bounds ({fqn})")
                 if not _DIGEST.match(c.digest):
                     raise ValueError(f"bad object name ({fqn})")
@@ -127,7 +129,7 @@ class DcpCheckpoint(Checkpoint):
     """
 
     def __init__(self, store: Store, name: str, doc: Mapping[str, Any]) -> None:
-        from ._vault import _record  # the vault imports this module lazily
+        from ._vault import _data_size, _record  # the vault imports this module lazily
 
         where = f"{store.url}/checkpoints/{name}.json"
         self.record = _record(name, doc, where)
@@ -137,8 +139,7 @@ class DcpCheckpoint(Checkpoint):
         self.tensors = parse_tensors(section.get("tensors", {}), where)
         self.prefix = str(section.get("model_prefix", ""))
         raw = header_text.encode("utf-8")
-        size = max((int(v["data_offsets"][1]) for k, v in json.loads(raw).items() if k != "__metadata__"), default=0)
-        header = parse_header(raw, 8 + len(raw) + size, where)
+        header = parse_header(raw, 8 + len(raw) + _data_size(raw, where), where)
         manifest = read_manifest(header.metadata, header.tensors, where)
         for stored, info in header.tensors.items():
             t = self.tensors.get(self.prefix + stored)

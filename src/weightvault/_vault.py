@@ -234,7 +234,9 @@ class VaultCheckpoint(Checkpoint):
         return content_hash(self.raw(stored)) == self.objects[stored]
 
 
-def _open_record(store: Store, name: str, doc: Mapping[str, Any]) -> VaultCheckpoint | DcpCheckpoint:
+def _open_record(
+    store: Store, name: str, doc: Mapping[str, Any]
+) -> VaultCheckpoint | DcpCheckpoint:
     # weightvault.dcp commits records of kind "dcp": tensors kept as shard chunks.
     if doc.get("kind") == "dcp":
         from ._dcp_record import DcpCheckpoint

@@ -15,7 +15,7 @@ Two levels::
     wdcp.load(model, "runs/ft", optimizer=opt)           # on any number of ranks
 
     # or DCP's own calls, with the vault as storage
-    dcp.save(state, storage_writer=wdcp.VaultWriter("runs/ft", "step-100"),
+    dcp_save(state, storage_writer=wdcp.VaultWriter("runs/ft", "step-100"),
              planner=wdcp.VaultSavePlanner())
     dcp.load(state, storage_reader=wdcp.VaultReader("runs/ft", "step-100"))
 
@@ -41,8 +41,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -66,6 +66,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -73,7 +75,7 @@ from ._dcp_record import KIND, model_header, object_key, parse_tensors
 from ._dtypes import ITEMSIZE
 from ._errors import CheckpointExistsError, FormatError, WeightvaultError
 from ._vault import VERSION, CheckpointRecord, Vault, _record, content_hash
-from .torch import DTYPES, NAMES
+from .torch import DTYPES, NAMES, _bytes
 
 __all__ = [
     "ReadStats",
@@ -149,7 +151,7 @@ def _box(item: WriteItem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (tuple(chunk.offsets), tuple(chunk.sizes))
 
 
-class VaultSavePlanner(dcp.DefaultSavePlanner):
+class VaultSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, plus ties found by memory identity and frozen flags.
 
     Each rank reports which of its write items read the same local memory as an earlier
@@ -252,7 +254,7 @@ class _Value:
 
 def _plain_value(planner: SavePlanner, item: WriteItem) -> Any:
     """A non-tensor value of the state, without a pickle round trip where DCP allows."""
-    if isinstance(planner, dcp.DefaultSavePlanner):
+    if isinstance(planner, DefaultSavePlanner):
         return planner.lookup_object(item.index)
     # Other planners only hand out a torch.save blob, made in this process from the state;
     # the safe unpickler lets plain values through and refuses anything else.
@@ -260,13 +262,6 @@ def _plain_value(planner: SavePlanner, item: WriteItem) -> Any:
     assert isinstance(data, io.BytesIO)
     data.seek(0)
     return torch.load(data, weights_only=True)
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().to("cpu").contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class VaultWriter(StorageWriter):
@@ -351,7 +346,7 @@ class VaultWriter(StorageWriter):
                 pending.append((item, None, _to_json(_plain_value(planner, item), where)))
             else:
                 data = planner.resolve_data(item)
-                pending.append((item, _tensor_bytes(cast(torch.Tensor, data)), None))
+                pending.append((item, _bytes(cast(torch.Tensor, data)), None))
         digests = {id(raw): content_hash(raw) for _, raw, _ in pending if raw is not None}
         intent = f"intents/{uuid.uuid4().hex}.json"
         objects = sorted(set(digests.values()))
@@ -374,7 +369,9 @@ class VaultWriter(StorageWriter):
             else:
                 self.reused_bytes += raw.nbytes
             done.add(digest)
-            results.append(WriteResult(item.index, raw.nbytes, _Written(digest, raw.nbytes, new, intent)))
+            results.append(
+                WriteResult(item.index, raw.nbytes, _Written(digest, raw.nbytes, new, intent))
+            )
         # Durable before DCP reports this rank done: the commit may follow at once.
         self.vault.store.sync(written)
         if not pending:
@@ -400,7 +397,9 @@ class VaultWriter(StorageWriter):
             for c in md.chunks:
                 w = by_index.get((fqn, tuple(c.offsets)))
                 if not isinstance(w, _Written):
-                    raise FormatError(f"{self.vault.url}: tensor {fqn!r} chunk {tuple(c.offsets)} was not written")
+                    raise FormatError(
+                        f"{self.vault.url}: tensor {fqn!r} chunk {tuple(c.offsets)} was not written"
+                    )
                 chunks.append([list(c.offsets), list(c.sizes), w.digest])
             tensors[fqn] = {
                 "dtype": NAMES[md.properties.dtype],
@@ -531,7 +530,10 @@ class VaultReader(StorageReader):
             sdm[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=DTYPES[t.dtype]),
                 torch.Size(t.shape),
-                [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
+                [
+                    ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                    for c in t.chunks
+                ],
             )
             for c in t.chunks:
                 storage[MetadataIndex(fqn, torch.Size(c.offsets))] = (t.dtype, c)
@@ -618,8 +620,8 @@ class VaultReader(StorageReader):
         strides = [1] * len(sizes)
         for d in range(len(sizes) - 2, -1, -1):
             strides[d] = strides[d + 1] * sizes[d + 1]
-        first = sum(o * s for o, s in zip(offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+        first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
         item = ITEMSIZE[dtype]
         whole = first == 0 and last + 1 == _chunk_nbytes(dtype, sizes) // item
         data = self._range(chunk.digest, first * item, (last + 1) * item)
@@ -703,7 +705,7 @@ def save(
     frozen = [f"{MODEL}.{n}" for n in _frozen(model, set(msd))]
     planner = VaultSavePlanner(frozen, [f"{MODEL}.{n}" for n in msd], model_prefix=f"{MODEL}.")
     writer = VaultWriter(v, name, metadata=metadata)
-    dcp.save(state, storage_writer=writer, planner=planner, no_dist=_no_dist())
+    dcp_save(state, storage_writer=writer, planner=planner, no_dist=_no_dist())
     committed = _broadcast(writer.record.name if writer.record is not None else None)
     if writer.record is not None:
         return writer.record
@@ -743,10 +745,10 @@ def load(
     if optimizer is not None:
         state[OPTIM] = osd
     reader = VaultReader(v, resolved)
-    dcp.load(
+    dcp_load(
         state,
         storage_reader=reader,
-        planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict),
+        planner=DefaultLoadPlanner(allow_partial_load=not strict),
         no_dist=_no_dist(),
     )
     set_state_dict(
