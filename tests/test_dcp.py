@@ -96,6 +96,17 @@ def test_loads_bitwise_on_any_number_of_ranks(saved: dict[str, Any], world: int)
         assert all(r < 0.75 * record.stored_bytes for r in reads), (reads, record)
 
 
+def test_saved_on_four_ranks_loads_on_two(tmp_path: Path) -> None:
+    """FSDP2 on 4 ranks (every parameter in 4 chunks), resharded onto 2 ranks."""
+    root, oracle = str(tmp_path / "vault"), str(tmp_path / "oracle")
+    W.run_ranks(W.save_fsdp, 4, root, oracle, "s4")
+    doc = json.loads((tmp_path / "vault" / "checkpoints" / "s4.json").read_text())
+    assert len(doc["dcp"]["tensors"]["model.transformer.wte.weight"]["chunks"]) == 4
+    sizes = json.loads(Path(oracle + ".sizes.json").read_text())
+    assert sizes["vault_objects"] <= 1.02 * sizes["unique"], sizes
+    W.run_ranks(W.load_fsdp, 2, root, oracle, "s4", str(tmp_path / "reads.json"))
+
+
 def test_one_plain_process_loads_and_exports(saved: dict[str, Any], tmp_path: Path) -> None:
     vault = Vault(saved["root"])
     model = W.gpt2(11)

@@ -495,6 +495,7 @@ class VaultReader(StorageReader):
 
     Attributes:
         stats: :class:`ReadStats` of the last load on this rank.
+        frozen: Names the checkpoint records as frozen (after ``read_metadata``).
     """
 
     def __init__(self, vault: VaultLike, name: str = "latest") -> None:
@@ -502,6 +503,7 @@ class VaultReader(StorageReader):
         self.vault = _vault(vault)
         self.name = name
         self.stats = ReadStats()
+        self.frozen: list[str] = []
         self._storage: dict[MetadataIndex, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -547,6 +549,7 @@ class VaultReader(StorageReader):
             sdm[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = _Value(_from_json(value))
         mappings = {k: tuple(v) for k, v in dict(section.get("mappings", {})).items()}
+        self.frozen = [str(f) for f in section.get("frozen", [])]
         self._storage = storage
         return Metadata(state_dict_metadata=sdm, planner_data=mappings, storage_data=storage)
 
@@ -759,7 +762,7 @@ def load(
         options=options,
     )
     if restore_frozen:
-        frozen = set(v._doc(resolved).get("dcp", {}).get("frozen", []))
+        frozen = set(reader.frozen)
         for pname, p in model.named_parameters(remove_duplicate=False):
             p.requires_grad_(f"{MODEL}.{_fqn(pname)}" not in frozen)
     return reader.stats
