@@ -4,6 +4,7 @@ Two commands::
 
     python bench/bench_dcp.py plan --ranks 1024     # planning + record, simulated in one process
     python bench/bench_dcp.py save-load --mib 64    # save/load time on the same state
+    python bench/bench_dcp.py async --mib 64        # how long dcp.async_save blocks
 
 ``plan`` builds the local save plans that 1,024 FSDP ranks would send for a Llama-3.2-1B
 shaped model (tied embedding, bf16, AdamW state), then runs what rank 0 runs: the vault
@@ -251,6 +252,41 @@ def save_load(mib: int, repeat: int) -> dict[str, Any]:
     return out
 
 
+def async_blocking(mib: int, repeat: int) -> dict[str, Any]:
+    """How long ``dcp.async_save`` blocks the training loop, and how long until durable."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    s = _state(mib)
+    model = s["model"]
+    base = tempfile.mkdtemp(prefix="bench-dcp-async-")
+    dist.init_process_group("gloo", init_method=f"file://{base}/rdzv", rank=0, world_size=1)
+    out: dict[str, Any] = {}
+    try:
+        times: dict[str, list[float]] = {
+            k: [] for k in ("fs_block", "fs_total", "wv_block", "wv_total")
+        }
+        for i in range(repeat):
+            for kind in ("fs", "wv"):
+                state = {"model": model.state_dict()}
+                if kind == "fs":
+                    writer: Any = dcp.FileSystemWriter(os.path.join(base, f"fs{i}"))
+                    planner = None
+                else:
+                    writer = wdcp.VaultWriter(os.path.join(base, f"v{i}"), "a")
+                    planner = wdcp.VaultSavePlanner(model_prefix="model.")
+                t0 = time.perf_counter()
+                fut = dcp.async_save(state, storage_writer=writer, planner=planner)
+                times[f"{kind}_block"].append(time.perf_counter() - t0)
+                fut.result()
+                times[f"{kind}_total"].append(time.perf_counter() - t0)
+        out = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -261,9 +297,17 @@ def main() -> None:
     s = sub.add_parser("save-load")
     s.add_argument("--mib", type=int, default=64)
     s.add_argument("--repeat", type=int, default=3)
+    a = sub.add_parser("async")
+    a.add_argument("--mib", type=int, default=64)
+    a.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    result = plan_sim(args.ranks) if args.cmd == "plan" else save_load(args.mib, args.repeat)
+    if args.cmd == "plan":
+        result = plan_sim(args.ranks)
+    elif args.cmd == "async":
+        result = async_blocking(args.mib, args.repeat)
+    else:
+        result = save_load(args.mib, args.repeat)
     print(json.dumps(result, indent=1))
 
 

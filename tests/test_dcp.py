@@ -217,6 +217,9 @@ def test_async_save_with_the_vault_writer(tmp_path: Path) -> None:
             planner=wdcp.VaultSavePlanner(model_prefix="model."),
         )
         fut.result()
+        # DCP's stager copies the state first; the copy keeps the tie as one memory.
+        doc = json.loads((tmp_path / "v" / "checkpoints" / "async.json").read_text())
+        assert doc["dcp"]["ties"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
         fresh = W.gpt2(3)
         Vault(tmp_path / "v").load(fresh, "async")
         assert fresh.lm_head.weight is fresh.transformer["wte"].weight
