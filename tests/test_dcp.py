@@ -199,8 +199,12 @@ def test_plain_dcp_calls_with_the_vault_as_storage(tmp_path: Path) -> None:
 
 def test_values_that_need_pickle_are_refused(tmp_path: Path) -> None:
     state = {"w": torch.ones(2), "obj": {"when": object()}}
-    with pytest.raises(CheckpointException, match="without pickle"):
+    with pytest.raises(CheckpointException, match="without pickle") as e:
         dcp.save(state, storage_writer=wdcp.VaultWriter(tmp_path, "x"), no_dist=True)
+    # DCP wraps each rank's error; the rank's own is ours, with both bases.
+    (err, _), *_ = e.value.failures.values()
+    assert isinstance(err, wdcp.UnstorableValueError)
+    assert isinstance(err, (weightvault.WeightvaultError, TypeError))
     assert Vault(tmp_path).list() == []
 
 

@@ -101,6 +101,7 @@ def test_dcp_module_is_pinned():
 
     assert wdcp.__all__ == [
         "ReadStats",
+        "UnstorableValueError",
         "VaultReader",
         "VaultSavePlanner",
         "VaultWriter",

@@ -79,6 +79,7 @@ from .torch import DTYPES, NAMES, _bytes
 
 __all__ = [
     "ReadStats",
+    "UnstorableValueError",
     "VaultReader",
     "VaultSavePlanner",
     "VaultWriter",
@@ -89,6 +90,14 @@ __all__ = [
 VaultLike = Vault | str | os.PathLike[str]
 #: Keys of the state :func:`save` hands to DCP; the model's part is what Vault.load reads.
 MODEL, OPTIM = "model", "optim"
+
+
+class UnstorableValueError(WeightvaultError, TypeError):
+    """A non-tensor value of the state cannot be kept without pickle (JSON holds it not)."""
+
+
+class _CollectivesRequired(WeightvaultError, NotImplementedError):
+    """DCP's per-rank metadata mode: the vault's commit needs rank 0 to see every rank."""
 
 
 def _vault(vault: VaultLike) -> Vault:
@@ -108,9 +117,11 @@ def _to_json(value: Any, where: str) -> Any:
         return [_to_json(v, where) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         if "__tuple__" in value:
-            raise TypeError(f"{where}: the key '__tuple__' is reserved")
+            raise UnstorableValueError(
+                f"{where}: the key '__tuple__' is reserved for tuples; rename that key"
+            )
         return {k: _to_json(v, where) for k, v in value.items()}
-    raise TypeError(
+    raise UnstorableValueError(
         f"{where}: a {type(value).__name__} cannot be stored without pickle; the vault keeps "
         "non-tensor values as JSON (None, bool, int, float, str, list, tuple, dict), so "
         "convert it to one of those or to a tensor"
@@ -321,7 +332,7 @@ class VaultWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
-            raise WeightvaultError(
+            raise _CollectivesRequired(
                 f"{self.vault.url}: VaultWriter needs DCP's collectives (one record, "
                 "committed by rank 0); call dcp.save without use_collectives=False"
             )
