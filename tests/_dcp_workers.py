@@ -259,15 +259,15 @@ def ddp_roundtrip(rank: int, world: int, root: str) -> None:
     """DDP replicates every tensor: each is written by one rank, and loads back equal."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import weightvault
     import weightvault.dcp as wdcp
 
     model = DDP(gpt2(0))
     opt = optimizer(model)
     train_step(model, opt, 1)
     writer_bytes: list[Any] = [None] * world
-    import weightvault.dcp as _w
-
-    real = _w.VaultWriter
+    # Keep a handle on the writer save() makes, to read this rank's counts.
+    real = wdcp.VaultWriter
     made: list[Any] = []
 
     class Counting(real):  # type: ignore[misc, valid-type]
@@ -275,15 +275,21 @@ def ddp_roundtrip(rank: int, world: int, root: str) -> None:
             super().__init__(*a, **k)
             made.append(self)
 
-    _w.VaultWriter = Counting  # type: ignore[misc]
+    wdcp.VaultWriter = Counting  # type: ignore[misc]
     try:
         rec = wdcp.save(model, root, "ddp", optimizer=opt)
     finally:
-        _w.VaultWriter = real  # type: ignore[misc]
+        wdcp.VaultWriter = real  # type: ignore[misc]
+    counts: list[Any] = [None] * world
+    dist.all_gather_object(counts, made[0].chunks)
     dist.all_gather_object(writer_bytes, made[0].written_bytes)
-    # Every distinct tensor once across the ranks, never once per rank.
-    assert sum(writer_bytes) == rec.stored_bytes, (writer_bytes, rec.stored_bytes)
-    assert all(b > 0 for b in writer_bytes), writer_bytes  # DCP spreads the writes
+    doc = weightvault.Vault(root)._doc("ddp")
+    # Every replicated tensor is planned on exactly one rank, and DCP spreads them.
+    assert sum(counts) == sum(len(t["chunks"]) for t in doc["dcp"]["tensors"].values())
+    assert all(c > 0 for c in counts), counts
+    # Bytes: once across ranks. Two ranks may race to write one object for two equal
+    # tensors (equal bytes, harmless), so allow at most the small ones twice.
+    assert rec.stored_bytes <= sum(writer_bytes) <= rec.stored_bytes + 4096, writer_bytes
     want = {k: v.clone() for k, v in model.module.state_dict().items()}
     want_opt = {
         k: {n: t.clone() for n, t in st.items()} for k, st in opt.state_dict()["state"].items()

@@ -294,6 +294,7 @@ class VaultWriter(StorageWriter):
         record: After a save, on the coordinator: the committed :class:`CheckpointRecord`.
         written_bytes: Bytes this rank wrote (objects the vault lacked).
         reused_bytes: Bytes this rank's chunks did not need to write.
+        chunks: Chunks this rank stored (written or found): each is planned on one rank.
     """
 
     def __init__(
@@ -310,6 +311,7 @@ class VaultWriter(StorageWriter):
         self.record: CheckpointRecord | None = None
         self.written_bytes = 0
         self.reused_bytes = 0
+        self.chunks = 0
         self._info: dict[str, Any] = {}
         self._check_name()
 
@@ -328,7 +330,7 @@ class VaultWriter(StorageWriter):
             self.name = os.fspath(checkpoint_id)
             self._check_name()
         self.record = None
-        self.written_bytes = self.reused_bytes = 0
+        self.written_bytes = self.reused_bytes = self.chunks = 0
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
@@ -380,6 +382,7 @@ class VaultWriter(StorageWriter):
             else:
                 self.reused_bytes += raw.nbytes
             done.add(digest)
+            self.chunks += 1
             results.append(
                 WriteResult(item.index, raw.nbytes, _Written(digest, raw.nbytes, new, intent))
             )
