@@ -108,3 +108,20 @@ def test_import_and_cli_need_no_framework(tmp_path):
     out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("weightvault ")
+
+
+def test_dcp_module_is_pinned():
+    import pytest
+
+    pytest.importorskip("torch.distributed.checkpoint")
+    import weightvault.dcp as wdcp
+
+    assert wdcp.__all__ == [
+        "ReadStats",
+        "UnstorableValueError",
+        "VaultReader",
+        "VaultSavePlanner",
+        "VaultWriter",
+        "load",
+        "save",
+    ]

@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import blake3
 import xxhash
@@ -67,6 +67,9 @@ from ._reader import Checkpoint, read_fully
 from ._store import Blob, Store, open_store
 from ._training import is_training, with_training
 from ._writer import check_names, layout
+
+if TYPE_CHECKING:
+    from ._dcp_record import DcpCheckpoint
 
 FORMAT = "weightvault-vault"
 VERSION = 1
@@ -323,6 +326,10 @@ class VaultCheckpoint(Checkpoint):
                 out[name] = f"object holds {size} bytes, expected {info.nbytes}"
         return out
 
+    def object_nbytes(self, label: str) -> int:
+        """The size the object named under ``label`` in :attr:`objects` must have."""
+        return self.stored[label].nbytes
+
     def fetch(self) -> None:
         """Bring every object into memory now, concurrently (used for remote stores)."""
         keys = {_object_key(h): n for n, h in self.objects.items() if n not in self._cache}
@@ -397,6 +404,17 @@ def _in_trash(store: Store, digest: str) -> str | None:
         if blob.key.rsplit("/", 1)[-1] == digest and not _is_temp(blob.key):
             return blob.key
     return None
+
+
+def _open_record(
+    store: Store, name: str, doc: Mapping[str, Any]
+) -> VaultCheckpoint | DcpCheckpoint:
+    # weightvault.dcp commits records of kind "dcp": tensors kept as shard chunks.
+    if doc.get("kind") == "dcp":
+        from ._dcp_record import DcpCheckpoint
+
+        return DcpCheckpoint(store, name, doc)
+    return VaultCheckpoint(store, name, doc)
 
 
 def _data_size(raw: bytes, where: str) -> int:
@@ -956,10 +974,10 @@ class Vault:
             raise CheckpointNotFoundError(f"{self.url}: the vault has no checkpoints yet")
         return records[-1].name
 
-    def open(self, name: str = "latest") -> VaultCheckpoint:
+    def open(self, name: str = "latest") -> VaultCheckpoint | DcpCheckpoint:
         """Open a checkpoint for reading, as a :class:`Checkpoint` any adapter can load."""
         resolved = self._resolve(name)
-        ckpt = VaultCheckpoint(self.store, resolved, self._doc(resolved))
+        ckpt = _open_record(self.store, resolved, self._doc(resolved))
         if not self.store.local:
             ckpt.fetch()
         return ckpt
@@ -1102,7 +1120,7 @@ class Vault:
             beat()
         for name in self._names():
             try:
-                ckpt = VaultCheckpoint(self.store, name, self._doc(name))
+                ckpt = _open_record(self.store, name, self._doc(name))
             except CheckpointNotFoundError:
                 continue
             except FormatError as e:
@@ -1125,7 +1143,7 @@ class Vault:
         names = self._names()
         for name in sorted(names):
             try:
-                ckpt = VaultCheckpoint(self.store, name, self._doc(name))
+                ckpt = _open_record(self.store, name, self._doc(name))
             except (FormatError, CheckpointNotFoundError, OSError) as e:
                 problems.append(f"{name}: record unreadable: {e}")
                 continue
@@ -1133,14 +1151,16 @@ class Vault:
                 if digest not in verdict:
                     verdict[digest] = self._check_object(ckpt, stored, digest)
                     if progress:
-                        progress(ckpt.stored[stored].nbytes)
+                        progress(ckpt.object_nbytes(stored))
                 if verdict[digest]:
                     problems.append(f"{name}: tensor {stored!r}: {verdict[digest]}")
             ckpt.close()
         return VaultVerifyReport(not problems, problems, len(names), len(verdict))
 
-    def _check_object(self, ckpt: VaultCheckpoint, stored: str, digest: str) -> str | None:
-        expected = ckpt.stored[stored].nbytes
+    def _check_object(
+        self, ckpt: VaultCheckpoint | DcpCheckpoint, stored: str, digest: str
+    ) -> str | None:
+        expected = ckpt.object_nbytes(stored)
         for where in (_object_key(digest), None, _object_key(digest)):
             # An object in a gc's trash still counts: reads find it there, and that gc (or
             # the next one) puts it back. The trash is listed only when objects/ lacks it.

@@ -1,0 +1,294 @@
+"""weightvault.dcp: DCP checkpoints kept in a vault, on several gloo ranks on CPU.
+
+The multi-rank cases spawn ranks (``tests/_dcp_workers.py``) running a tiny GPT-2 whose
+head is tied to its embedding, with a frozen block and AdamW state, sharded by FSDP2's
+``fully_shard``. Each spawn costs seconds (importing torch per rank), so one module-level
+save feeds the load cases.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.checkpoint")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import _dcp_workers as W  # noqa: E402
+import weightvault  # noqa: E402
+import weightvault.dcp as wdcp  # noqa: E402
+from weightvault import CheckpointExistsError, Vault  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One FSDP2 save on 2 ranks: checkpoints ``s1`` and ``s1-next``, plus the oracle."""
+    d = tmp_path_factory.mktemp("dcp")
+    root, oracle = str(d / "vault"), str(d / "oracle")
+    W.run_ranks(W.save_fsdp, 2, root, oracle, "s1")
+    with open(oracle + ".sizes.json") as f:
+        sizes = json.load(f)
+    return {"root": root, "oracle": oracle, "sizes": sizes, "dir": d}
+
+
+def test_fsdp2_save_stores_each_tensor_once(saved: dict[str, Any]) -> None:
+    """Objects on disk are within 2% of the unique bytes; DCP's own writer is measured beside.
+
+    The unique bytes are the gathered model (the tied embedding once) plus AdamW state.
+    """
+    s = saved["sizes"]
+    assert s["vault_objects"] <= 1.02 * s["unique"], s
+    assert s["record_stored"] <= s["unique"]
+    # FileSystemWriter writes the tied embedding under both names (and torch.save framing).
+    assert s["filesystem_writer"] > s["vault_objects"], s
+    doc = json.loads((Path(saved["root"]) / "checkpoints" / "s1.json").read_text())
+    assert doc["kind"] == "dcp"
+    assert doc["dcp"]["ties"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
+    assert "model.lm_head.weight" not in doc["dcp"]["tensors"]
+    assert "model.transformer.h.0.attn.c_attn.weight" in doc["dcp"]["frozen"]
+    # Frozen parameters have no optimizer state.
+    assert not [k for k in doc["dcp"]["tensors"] if k.startswith("optim.state.transformer.h.0.")]
+    # FSDP2 on 2 ranks: the embedding is stored as two chunks, one per rank.
+    assert len(doc["dcp"]["tensors"]["model.transformer.wte.weight"]["chunks"]) == 2
+    assert doc["dcp"]["values"]["optim.param_groups.0.betas"] == {"__tuple__": [0.9, 0.999]}
+    assert doc["metadata"] == {"step": "1"}
+
+
+def test_unchanged_frozen_chunks_cost_nothing(saved: dict[str, Any]) -> None:
+    s = saved["sizes"]
+    assert 0 < s["next_new"] <= s["next_stored"] - s["frozen_bytes"], s
+
+
+def test_nothing_in_the_vault_is_pickled(saved: dict[str, Any]) -> None:
+    root = Path(saved["root"])
+    files = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+    assert all(f == "vault.json" or f.startswith(("objects/", "checkpoints/")) for f in files)
+    for f in files:
+        if not f.startswith("objects/"):
+            json.loads((root / f).read_text())  # records are JSON, never pickle
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_loads_bitwise_on_any_number_of_ranks(saved: dict[str, Any], world: int) -> None:
+    """Saved on 2 ranks; loaded on 1, 2 and 3: model and AdamW state equal bit for bit."""
+    stats = str(saved["dir"] / f"reads-{world}.json")
+    W.run_ranks(W.load_fsdp, world, saved["root"], saved["oracle"], "s1", stats)
+    with open(stats) as f:
+        reads = json.load(f)
+    record = {r.name: r for r in Vault(saved["root"]).list()}["s1"]
+    tied = W.VOCAB * W.EMBD * 4  # the head's bytes: the embedding's memory, read once
+    assert len(reads) == world
+    if world == 1:
+        assert reads == [record.logical_bytes - tied]
+    else:
+        # Each rank reads its shards (and the replicated scalars), not the whole state.
+        assert all(r < 0.75 * record.stored_bytes for r in reads), (reads, record)
+
+
+def test_saved_on_four_ranks_loads_on_two(tmp_path: Path) -> None:
+    """FSDP2 on 4 ranks (every parameter in 4 chunks), resharded onto 2 ranks."""
+    root, oracle = str(tmp_path / "vault"), str(tmp_path / "oracle")
+    W.run_ranks(W.save_fsdp, 4, root, oracle, "s4")
+    doc = json.loads((tmp_path / "vault" / "checkpoints" / "s4.json").read_text())
+    assert len(doc["dcp"]["tensors"]["model.transformer.wte.weight"]["chunks"]) == 4
+    sizes = json.loads(Path(oracle + ".sizes.json").read_text())
+    assert sizes["vault_objects"] <= 1.02 * sizes["unique"], sizes
+    W.run_ranks(W.load_fsdp, 2, root, oracle, "s4", str(tmp_path / "reads.json"))
+
+
+def test_one_plain_process_loads_and_exports(saved: dict[str, Any], tmp_path: Path) -> None:
+    vault = Vault(saved["root"])
+    model = W.gpt2(11)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    report = vault.load(model, "s1", restore_frozen=True)
+    assert not report.missing and not report.unexpected
+    assert model.lm_head.weight is model.transformer["wte"].weight
+    want = load_file(saved["oracle"] + ".safetensors")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == json.loads(Path(saved["oracle"] + ".frozen.json").read_text())
+
+    out = tmp_path / "model.safetensors"
+    vault.export("s1", out)
+    flat = load_file(str(out))
+    assert "lm_head.weight" not in flat  # one copy; the tie is in the manifest
+    for k, v in flat.items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+    back = W.gpt2(12)
+    weightvault.torch.load(back, str(out))
+    assert back.lm_head.weight is back.transformer["wte"].weight
+
+    assert vault.verify().ok
+    assert vault.gc() == 0  # every chunk, optimizer state included, is referenced
+
+
+def test_ddp_replicas_are_written_by_one_rank(tmp_path: Path) -> None:
+    W.run_ranks(W.ddp_roundtrip, 2, str(tmp_path / "vault"))
+
+
+def test_a_rank_failing_mid_save_commits_nothing(tmp_path: Path) -> None:
+    W.run_ranks(W.crash_mid_save, 2, str(tmp_path / "vault"))
+    vault = Vault(tmp_path / "vault")
+    assert [r.name for r in vault.list()] == ["good"]
+    assert vault.verify().ok
+
+
+# -- one process, no process group ----------------------------------------------------------
+
+
+def _trained(seed: int) -> tuple[Any, Any]:
+    model = W.gpt2(seed)
+    opt = W.optimizer(model)
+    W.train_step(model, opt, seed)
+    return model, opt
+
+
+def test_single_process_roundtrip_and_reuse(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    r1 = wdcp.save(model, tmp_path, optimizer=opt)
+    assert r1.name == "000001"
+    r2 = wdcp.save(model, tmp_path, optimizer=opt)
+    assert r2.new_bytes == 0  # nothing changed: every chunk is already there
+    with pytest.raises(CheckpointExistsError, match="000001"):
+        wdcp.save(model, tmp_path, "000001")
+    fresh, fresh_opt = _trained(2)
+    stats = wdcp.load(fresh, tmp_path, "000001", optimizer=fresh_opt)
+    # Every name is read once, except the tied head: its memory is the embedding's.
+    assert stats.skipped_bytes == model.lm_head.weight.numel() * 4
+    assert stats.bytes_read + stats.skipped_bytes == r1.logical_bytes
+    assert fresh.lm_head.weight is fresh.transformer["wte"].weight
+    for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    for i, st in want["state"].items():
+        for n, t in st.items():
+            assert torch.equal(got["state"][i][n], t), (i, n)
+
+
+def test_plain_dcp_calls_with_the_vault_as_storage(tmp_path: Path) -> None:
+    """DCP's own save/load with only the storage swapped (DCP's default planners)."""
+    model, _ = _trained(1)
+    state = {"model": model.state_dict(), "extra": {"epoch": 3, "tag": "x"}}
+    dcp.save(state, storage_writer=wdcp.VaultWriter(tmp_path, "plain"), no_dist=True)
+    fresh = W.gpt2(4)
+    target = {"model": fresh.state_dict(), "extra": {"epoch": 0, "tag": ""}}
+    dcp.load(target, storage_reader=wdcp.VaultReader(tmp_path, "plain"), no_dist=True)
+    assert target["extra"] == {"epoch": 3, "tag": "x"}
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    # Without the vault's planner the tie is two names, yet its bytes are one object.
+    objects = Vault(tmp_path).store.list("objects")
+    assert sum(b.size for b in objects) < sum(
+        v.numel() * v.element_size() for v in model.state_dict().values()
+    )
+
+
+def test_values_that_need_pickle_are_refused(tmp_path: Path) -> None:
+    state = {"w": torch.ones(2), "obj": {"when": object()}}
+    with pytest.raises(CheckpointException, match="without pickle") as e:
+        dcp.save(state, storage_writer=wdcp.VaultWriter(tmp_path, "x"), no_dist=True)
+    # DCP wraps each rank's error; the rank's own is ours, with both bases.
+    (err, _), *_ = e.value.failures.values()
+    assert isinstance(err, wdcp.UnstorableValueError)
+    assert isinstance(err, (weightvault.WeightvaultError, TypeError))
+    assert Vault(tmp_path).list() == []
+
+
+def test_async_save_with_the_vault_writer(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        model, _ = _trained(1)
+        state = {"model": model.state_dict()}
+        fut = dcp.async_save(
+            state,
+            storage_writer=wdcp.VaultWriter(tmp_path / "v", "async"),
+            planner=wdcp.VaultSavePlanner(model_prefix="model."),
+        )
+        fut.result()
+        # DCP's stager copies the state first; the copy keeps the tie as one memory.
+        doc = json.loads((tmp_path / "v" / "checkpoints" / "async.json").read_text())
+        assert doc["dcp"]["ties"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
+        fresh = W.gpt2(3)
+        Vault(tmp_path / "v").load(fresh, "async")
+        assert fresh.lm_head.weight is fresh.transformer["wte"].weight
+        for k, v in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), k
+    finally:
+        dist.destroy_process_group()
+
+
+# -- S3 (moto on loopback) -----------------------------------------------------------------
+
+
+@pytest.fixture
+def s3_root(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    s3fs = pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }.items():
+        monkeypatch.setenv(k, v)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = {
+        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+        "key": "testing",
+        "secret": "testing",
+    }
+    bucket = f"dcp-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    try:
+        yield f"s3://{bucket}/run", options
+    finally:
+        server.stop()
+
+
+def test_s3_vault_roundtrip_with_ranged_reads(s3_root: tuple[str, dict[str, Any]]) -> None:
+    url, options = s3_root
+    vault = Vault(url, **options)
+    model, opt = _trained(1)
+    rec = wdcp.save(model, vault, "s3", optimizer=opt)
+    fresh, fresh_opt = _trained(2)
+    stats = wdcp.load(fresh, vault, "s3", optimizer=fresh_opt)
+    assert stats.bytes_read + stats.skipped_bytes == rec.logical_bytes
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    plain = W.gpt2(5)
+    vault.load(plain, "s3")
+    assert plain.lm_head.weight is plain.transformer["wte"].weight
+    assert torch.equal(plain.lm_head.weight, model.lm_head.weight)
+    assert vault.verify().ok
+
+
+def test_import_weightvault_stays_torch_free() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, weightvault, weightvault._dcp_record; assert 'torch' not in sys.modules"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
