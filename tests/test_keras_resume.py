@@ -280,3 +280,23 @@ def test_background_vault_save_holds_the_values_at_the_call(tmp_path: Path) -> N
     vault.load(resumed, "bg", optimizer=opt2, rng=True)
     assert_bitwise(at_call, arrays(resumed.variables))
     assert_bitwise(slots_at_call, slots_of(opt2))
+
+
+def test_rules_rename_optimizer_state_and_unused_state_is_strict(tmp_path: Path) -> None:
+    model, opt = build(0), OPTIMIZERS["sgd"]()
+    train(model, opt, 0, 2)
+    wvk.save(model, tmp_path / "c.safetensors", optimizer=opt)
+    renamed = build(1)
+    renamed.get_layer("head").name = "out"
+    renamed = keras.Model(renamed.inputs, renamed.outputs)  # walk again under the new name
+    opt2 = OPTIMIZERS["sgd"]()
+    with pytest.raises(KeyMismatchError, match="head/kernel"):
+        wvk.load(renamed, tmp_path / "c.safetensors", optimizer=opt2)
+    report = wvk.load(
+        renamed, tmp_path / "c.safetensors", optimizer=opt2, rules=[("head/*", "out/*")]
+    )
+    assert report.optimizer is not None and report.optimizer.ok
+    assert ("head/kernel", "out/kernel") in report.optimizer.renamed
+    saved = slots_of(opt)["head_kernel_momentum"]
+    got = {k: v for k, v in slots_of(opt2).items() if k.endswith("kernel_momentum")}
+    assert any(v.tobytes() == saved.tobytes() for v in got.values())

@@ -108,3 +108,12 @@ def test_import_and_cli_need_no_framework(tmp_path):
     out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("weightvault ")
+
+
+def test_keras_integration_is_pinned():
+    import pytest
+
+    pytest.importorskip("keras")
+    from weightvault.integrations import keras as integration
+
+    assert integration.__all__ == ["VaultCheckpoint", "restore"]
