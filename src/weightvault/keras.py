@@ -348,15 +348,18 @@ def _checkpoint_sources(
 ) -> tuple[list[Source], list[str], dict[str, Any] | None]:
     """Model, optimizer and RNG as sources plus the manifest's training section.
 
-    With ``snapshot``, every variable that training can change (all but frozen ones) is
-    copied now, so a background save writes the values of the call.
+    With ``snapshot``, every variable that training can change (all but frozen ones; on
+    JAX all) is copied now, so a background save writes the values of the call.
     """
     from . import _keras_state
 
     _keras_state.refuse_scheduler(scheduler)
     sources, skipped = _sources(obj)
     if snapshot:
-        sources = [s if s.frozen else _copied(s) for s in sources]
+        # Keras' JAX train step donates every variable's buffer, frozen ones included, so
+        # there a live read could meet a deleted array: copy them all.
+        live_frozen = keras.backend.backend() != "jax"
+        sources = [s if s.frozen and live_frozen else _copied(s) for s in sources]
     if optimizer is None and not rng:
         return sources, skipped, None
     if isinstance(obj, Mapping):
