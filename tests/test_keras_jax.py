@@ -32,6 +32,7 @@ def test_keras_suite_passes_on_the_jax_backend():
             str(HERE / "test_keras.py"),
             str(HERE / "test_cross_framework.py"),
             str(HERE / "test_vault_keras.py"),
+            str(HERE / "test_keras_resume.py"),
         ],
         env=env,
         capture_output=True,

@@ -125,3 +125,12 @@ def test_dcp_module_is_pinned():
         "load",
         "save",
     ]
+
+
+def test_keras_integration_is_pinned():
+    import pytest
+
+    pytest.importorskip("keras")
+    from weightvault.integrations import keras as integration
+
+    assert integration.__all__ == ["VaultCheckpoint", "restore"]

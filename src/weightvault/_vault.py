@@ -584,8 +584,10 @@ class Vault:
             name: The checkpoint's name; by default the next number (``000001``, ...).
             metadata: Your ``str -> str`` metadata.
             progress: Called with a byte count as tensors are hashed and written.
-            optimizer: Also store the optimizer's state by parameter name (PyTorch).
-            scheduler: Also store the LR scheduler's state.
+            optimizer: Also store the optimizer's state by parameter name (PyTorch) or
+                variable path (Keras).
+            scheduler: Also store the LR scheduler's state (PyTorch; a Keras schedule is
+                part of its optimizer).
             rng: Also store the RNG states, so a resumed run draws the same numbers.
             background: Copy what training can change now (everything but frozen
                 parameters), then hash and write in a thread; returns a

@@ -338,6 +338,41 @@ def _sources(obj: Any) -> tuple[list[Source], list[str]]:
     return out, []
 
 
+def _checkpoint_sources(
+    obj: Any,
+    *,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    rng: bool = False,
+    snapshot: bool = False,
+) -> tuple[list[Source], list[str], dict[str, Any] | None]:
+    """Model, optimizer and RNG as sources plus the manifest's training section.
+
+    With ``snapshot``, every variable that training can change (all but frozen ones; on
+    JAX all) is copied now, so a background save writes the values of the call.
+    """
+    from . import _keras_state
+
+    _keras_state.refuse_scheduler(scheduler)
+    sources, skipped = _sources(obj)
+    if snapshot:
+        # Keras' JAX train step donates every variable's buffer, frozen ones included, so
+        # there a live read could meet a deleted array: copy them all.
+        live_frozen = keras.backend.backend() != "jax"
+        sources = [s if s.frozen and live_frozen else _copied(s) for s in sources]
+    if optimizer is None and not rng:
+        return sources, skipped, None
+    if isinstance(obj, Mapping):
+        raise TypeError("optimizer= and rng= need the Keras model, not a dict of variables")
+    extra, training = _keras_state.training_sources(obj, optimizer=optimizer, rng=rng)
+    return sources + extra, skipped, training
+
+
+def _copied(s: Source) -> Source:
+    data = bytes(s.data())
+    return Source(s.name, s.dtype, s.shape, s.identity, lambda: memoryview(data), s.frozen)
+
+
 def save(
     obj: Any,
     path: PathLike,
@@ -345,6 +380,9 @@ def save(
     metadata: Mapping[str, str] | None = None,
     checksum: bool = True,
     dedupe_copies: bool = False,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    rng: bool = False,
 ) -> SaveReport:
     """Save a built Keras model (or a dict of variables/arrays), every shared value once.
 
@@ -361,6 +399,13 @@ def save(
         checksum: Record an xxh3-64 checksum of every stored tensor.
         dedupe_copies: Store equal but separate values once, as copies only weightvault
             readers see.
+        optimizer: Also store this Keras optimizer's state: each slot (``momentum``,
+            ``velocity``, ...) under the path of its model variable, plus ``iterations``
+            and ``get_config()`` as JSON (see docs/resuming.md).
+        scheduler: Not taken: a Keras learning-rate schedule is part of the optimizer and
+            is saved with it. Passing one raises ``TypeError``.
+        rng: Also store the Python, numpy, Keras ``SeedGenerator`` (global and each random
+            layer's) and, on the PyTorch backend, torch RNG states.
 
     Returns:
         What was stored, aliased and copied, and the bytes saved.
@@ -370,13 +415,18 @@ def save(
         >>> report.aliases
         {'tied_1/shared_kernel': 'tied/shared_kernel'}
     """
+    sources, skipped, training = _checkpoint_sources(
+        obj, optimizer=optimizer, scheduler=scheduler, rng=rng
+    )
     return _writer.save_sources(
         path,
-        _sources(obj)[0],
+        sources,
         framework=FRAMEWORK,
         metadata=dict(metadata or {}),
         checksum=checksum,
         dedupe_copies=dedupe_copies,
+        skipped=skipped,
+        training=training,
     )
 
 
@@ -578,6 +628,9 @@ def load(
     verify: bool = False,
     cast: bool = False,
     transforms: _transforms.Transforms | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    rng: bool = False,
 ) -> LoadReport:
     """Fill a built Keras ``model`` from ``path`` in place, all or nothing.
 
@@ -603,6 +656,13 @@ def load(
         transforms: ``{pattern: transform}`` that rearrange values before assignment,
             matched against the model's names: ``{"*/kernel": "transpose"}`` loads a
             PyTorch ``Linear.weight`` ``(out, in)`` into a ``Dense.kernel`` ``(in, out)``.
+        optimizer: Also restore this Keras optimizer's slots, ``iterations`` and learning
+            rate, matched by variable path (``rules`` apply), so it may list its variables
+            in another order or hold fewer after a freeze. An optimizer that is not built
+            yet is built on ``model.trainable_variables`` first. ``strict`` applies; see
+            ``report.optimizer``.
+        scheduler: Not taken (see :func:`save`); passing one raises ``TypeError``.
+        rng: Also restore the Python, numpy, Keras ``SeedGenerator`` and torch RNG states.
 
     Returns:
         A report of what was loaded, renamed, missing, unexpected, mismatched and untied.
@@ -618,6 +678,9 @@ def load(
         >>> report.untied
         []
     """
+    from . import _keras_state
+
+    _keras_state.refuse_scheduler(scheduler)
     vs = _model_vars(model, "load")
     by_name = {v.name: v for v in vs}
     targets = [
@@ -655,6 +718,17 @@ def load(
                 "to the layers when building the model, or load with tie=False (each "
                 "variable is filled and reported as untied)."
             )
+        # Training state is read and checked before the first variable is assigned too.
+        prepared = _keras_state.prepare(
+            ckpt,
+            model,
+            optimizer=optimizer,
+            rng=rng,
+            rules=rules,
+            renamed=lp.report.renamed,
+            strict=strict,
+            verify=verify,
+        )
         needed = sorted({ckpt.entry(a.source).stored for a in lp.assignments})
         if verify:
             ckpt.verify(needed)
@@ -677,6 +751,7 @@ def load(
         chosen = {id(by_name[n].variable) for n in lp.frozen}
         _set_trainable(model, vs, chosen, frozen)
         lp.report.frozen = [n for n, f in lp.frozen.items() if f]
+    prepared.apply(lp.report)
     return lp.report
 
 

@@ -1,0 +1,1 @@
+"""Where training loops already checkpoint: callbacks that save into a vault."""

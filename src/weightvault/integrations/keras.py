@@ -1,0 +1,177 @@
+"""A Keras callback that checkpoints ``fit`` into a vault, and the way back.
+
+``VaultCheckpoint`` takes the place of ``keras.callbacks.ModelCheckpoint``: at the end of
+every epoch (or every ``save_freq`` batches) it stores the model, the optimizer's state
+by variable path and the RNG states as one vault checkpoint, so frozen layers and
+anything else unchanged cost nothing after the first save. :func:`restore` loads a
+checkpoint into a compiled model and returns the epoch to pass to ``fit`` as
+``initial_epoch``.
+
+Example:
+    >>> from weightvault import Vault
+    >>> from weightvault.integrations.keras import VaultCheckpoint, restore
+    >>> vault = Vault("runs/vault")
+    >>> model.fit(x, y, epochs=2, callbacks=[VaultCheckpoint(vault)])
+    >>> [r.name for r in vault.list()]
+    ['epoch-0001', 'epoch-0002']
+    >>> fresh.compile(optimizer="adam", loss="mse")
+    >>> start = restore(vault, fresh, "epoch-0001")
+    >>> fresh.fit(x, y, epochs=2, initial_epoch=start)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import WeightvaultError
+
+try:
+    import keras
+except ImportError as e:  # pragma: no cover - exercised only without keras
+    from .._errors import BackendNotInstalled
+
+    raise BackendNotInstalled(
+        "weightvault.integrations.keras needs Keras 3: pip install 'weightvault[keras]'"
+    ) from e
+
+__all__ = ["VaultCheckpoint", "restore"]
+
+#: Metadata keys the callback writes into each checkpoint.
+EPOCH_KEY = "keras.epoch"
+STEP_KEY = "keras.step"
+
+
+class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
+    """Save ``fit``'s model, optimizer and RNG state into a vault, like ``ModelCheckpoint``.
+
+    Checkpoints are named ``epoch-0003`` (the number of epochs completed, as Keras'
+    ``{epoch}`` counts) or, with an integer ``save_freq``, ``step-000120`` (batches
+    completed since this callback's first batch plus those of earlier epochs skipped by
+    ``initial_epoch``). Each records the epoch and step as metadata (``keras.epoch``,
+    ``keras.step``), which :func:`restore` reads back.
+
+    Args:
+        vault: The :class:`~weightvault.Vault` to save into.
+        save_freq: ``"epoch"``, or save every this many batches.
+        save_optimizer: Also store ``model.optimizer``'s state (slots, iterations, learning
+            rate and configuration) so training resumes exactly.
+        rng: Also store the Python, numpy, Keras ``SeedGenerator`` and torch RNG states.
+        keep: After each save, keep only the last ``keep`` checkpoints of the vault
+            (:meth:`~weightvault.Vault.retain`; it applies to every checkpoint of the
+            vault, not only this callback's). Run ``vault.gc()`` to free their bytes.
+
+    Raises:
+        ValueError: ``save_freq`` is neither ``"epoch"`` nor a positive integer, or
+            ``keep`` is below 1.
+
+    Example:
+        >>> model.fit(x, y, epochs=3, callbacks=[VaultCheckpoint(vault, keep=2)])
+        >>> [r.name for r in vault.list()]
+        ['epoch-0002', 'epoch-0003']
+    """
+
+    def __init__(
+        self,
+        vault: Any,
+        save_freq: str | int = "epoch",
+        save_optimizer: bool = True,
+        *,
+        rng: bool = True,
+        keep: int | None = None,
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch" and (
+            not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1
+        ):
+            raise ValueError(f"save_freq must be 'epoch' or a positive integer, not {save_freq!r}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
+        self.vault = vault
+        self.save_freq = save_freq
+        self.save_optimizer = save_optimizer
+        self.rng = rng
+        self.keep = keep
+        self._epoch = 0
+        self._step = 0
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._step = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._step += 1
+        if isinstance(self.save_freq, int) and self._step % self.save_freq == 0:
+            self._save(f"step-{self._step:06d}", self._epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(f"epoch-{epoch + 1:04d}", epoch + 1)
+
+    def _save(self, name: str, epoch: int) -> None:
+        optimizer = self.model.optimizer if self.save_optimizer else None
+        self.vault.save(
+            self.model,
+            name,
+            optimizer=optimizer,
+            rng=self.rng,
+            metadata={EPOCH_KEY: str(epoch), STEP_KEY: str(self._step)},
+        )
+        if self.keep is not None:
+            self.vault.retain(keep_last=self.keep)
+
+
+def restore(
+    vault: Any,
+    model: Any,
+    name: str = "latest",
+    *,
+    optimizer: bool = True,
+    rng: bool = True,
+    **options: Any,
+) -> int:
+    """Load a :class:`VaultCheckpoint` checkpoint into a compiled ``model``.
+
+    The weights, ``model.optimizer``'s state (built first if ``fit`` has not run yet) and
+    the RNG states come back, so ``fit(..., initial_epoch=restore(...))`` continues the
+    saved run bit for bit when the data order is the same (``shuffle=False`` or a seeded
+    pipeline).
+
+    Args:
+        vault: The :class:`~weightvault.Vault` to read.
+        model: A built Keras model, compiled with the same kind of optimizer.
+        name: The checkpoint, or ``"latest"``.
+        optimizer: Restore ``model.optimizer``'s state too.
+        rng: Restore the RNG states too.
+        **options: Passed to :meth:`~weightvault.Vault.load` (``strict``, ``rules``, ...).
+
+    Returns:
+        The number of epochs the checkpoint had completed: ``fit``'s ``initial_epoch``.
+
+    Raises:
+        WeightvaultError: ``optimizer`` is set but the model is not compiled, or the
+            checkpoint was not written by :class:`VaultCheckpoint` (no epoch recorded).
+
+    Example:
+        >>> start = restore(vault, model, "epoch-0001")
+        >>> model.fit(x, y, epochs=2, initial_epoch=start)
+    """
+    resolved = vault._resolve(name)
+    record = next((r for r in vault.list() if r.name == resolved), None)
+    epoch = None if record is None else record.metadata.get(EPOCH_KEY)
+    if epoch is None or not epoch.isdigit():
+        raise WeightvaultError(
+            f"{vault.url}: checkpoint {resolved!r} records no Keras epoch; it was not "
+            "written by VaultCheckpoint. Load it with vault.load(model, name, ...) instead"
+        )
+    opt = None
+    if optimizer:
+        opt = getattr(model, "optimizer", None)
+        if opt is None:
+            raise WeightvaultError(
+                f"{type(model).__name__} has no optimizer to restore into; compile it "
+                "first (model.compile(optimizer=..., loss=...)), or pass optimizer=False"
+            )
+    vault.load(model, resolved, optimizer=opt, rng=rng, **options)
+    return int(epoch)
