@@ -17,7 +17,7 @@ import weightvault.torch as wv
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _hf_trainer_worker as hf
-from weightvault.integrations.transformers import VaultCallback
+from weightvault.integrations.transformers import VaultCallback, checkout  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "_hf_trainer_worker.py")
 
@@ -93,5 +93,40 @@ def test_a_new_process_resumes_from_the_vault_bitwise(
     )  # fmt: skip
     resumed = wv.load_file(out)
     assert sorted(resumed) == sorted(straight)
+    for key, value in straight.items():
+        assert torch.equal(value, resumed[key]), key
+
+
+def test_a_peft_lora_model_stores_its_base_once_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """LoRA on the same GPT-2: checkpoints after the first cost only the adapters and
+    their AdamW state; a resume through ``checkout`` ends bitwise equal."""
+    peft = pytest.importorskip("peft")
+
+    def lora(seed: int) -> torch.nn.Module:
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1)
+        return peft.get_peft_model(hf.model(seed, frozen=0), config)
+
+    vault = weightvault.Vault(tmp_path / "vault")
+    m = lora(0)
+    hf.trainer(m, tmp_path / "out", [VaultCallback(vault)]).train()
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    records = vault.list()
+    assert [r.name for r in records] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    adapters = sum(p.numel() * p.element_size() for p in wv.trainable(m))
+    base = sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+    assert adapters < base / 20
+    assert records[0].new_bytes > base
+    for r in records[1:]:
+        ratio = r.new_bytes / (3 * adapters)
+        assert 0.95 <= ratio <= 1.25, (r.name, ratio)
+
+    # The Trainer resumes a PeftModel from model.safetensors with the full state dict.
+    straight = hf.params(m)
+    again = lora(7)
+    t = hf.trainer(again, tmp_path / "again", [])
+    t.train(resume_from_checkpoint=str(checkout(vault, "checkpoint-2", tmp_path / "co")))
+    resumed = hf.params(again)
     for key, value in straight.items():
         assert torch.equal(value, resumed[key]), key
