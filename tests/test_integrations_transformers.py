@@ -17,7 +17,7 @@ import weightvault.torch as wv
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _hf_trainer_worker as hf
-from weightvault.integrations.transformers import VaultCallback, checkout  # noqa: E402
+from weightvault.integrations.transformers import VaultCallback, checkout
 
 WORKER = str(Path(__file__).parent / "_hf_trainer_worker.py")
 
