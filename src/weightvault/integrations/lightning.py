@@ -20,10 +20,17 @@ import re
 from pathlib import PurePath
 from typing import Any
 
-import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from .._errors import BackendNotInstalled, WeightvaultError
 
-from .._errors import WeightvaultError
+try:
+    import torch
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError as e:  # pragma: no cover - exercised only without lightning
+    raise BackendNotInstalled(
+        "weightvault.integrations.lightning needs Lightning and PyTorch: pip install "
+        "'weightvault[lightning]'"
+    ) from e
+
 from .._training import UnsupportedStateError
 from .._vault import Vault
 from ..torch import load_file as _load_file

@@ -24,12 +24,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from .._errors import BackendNotInstalled, WeightvaultError
+
+try:
+    import numpy as np
+    import torch
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise BackendNotInstalled(
+        "weightvault.integrations.transformers needs transformers and PyTorch: pip install "
+        "'weightvault[transformers]'"
+    ) from e
 
 from .. import _training
-from .._errors import WeightvaultError
 from .._vault import Vault
 from ..torch import _base, load_file as _load_file, save as _save
 
