@@ -130,3 +130,17 @@ def test_a_peft_lora_model_stores_its_base_once_and_resumes(
     resumed = hf.params(again)
     for key, value in straight.items():
         assert torch.equal(value, resumed[key]), key
+
+
+def test_the_trainer_example_runs(tmp_path: Path) -> None:
+    """examples/trainer_callback.py: no folders, later checkpoints cost 3x what trains,
+    and the resumed run is bitwise equal."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "trainer_callback.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--vault", "v"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(), check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Trainer folders written: []" in result.stdout
+    assert "checkpoint-8   new bytes" in result.stdout and "(3.00x" in result.stdout
+    assert "parameters bitwise identical: True" in result.stdout
