@@ -144,3 +144,21 @@ def test_the_trainer_example_runs(tmp_path: Path) -> None:
     assert "Trainer folders written: []" in result.stdout
     assert "checkpoint-8   new bytes" in result.stdout and "(3.00x" in result.stdout
     assert "parameters bitwise identical: True" in result.stdout
+
+
+def test_save_total_limit_is_vault_retention_and_background_saves_match(
+    straight: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    vault = weightvault.Vault(tmp_path / "vault")
+    m = hf.model(0)
+    callback = VaultCallback(vault, background=True)
+    hf.trainer(m, tmp_path / "out", [callback], save_total_limit=2).train()
+    assert [r.name for r in vault.list()] == ["checkpoint-4", "checkpoint-6"]
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    params = hf.params(m)
+    for name, value in straight.items():
+        assert torch.equal(value, params[name]), name
+    # The background checkpoint holds the values at its step: it equals the final weights.
+    final = wv.load_file(vault.open("checkpoint-6"))
+    for name, value in params.items():
+        assert torch.equal(value, final[name]), name
