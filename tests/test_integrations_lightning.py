@@ -117,3 +117,10 @@ def test_non_string_keys_tuples_and_special_floats_round_trip(tmp_path: Path) ->
     assert back["$odd"] == {"$tensor": "not a tag"}
     io.remove_checkpoint("a/last.ckpt")
     assert vault.list() == []
+
+
+def test_checkpoint_names_follow_the_file_name() -> None:
+    assert checkpoint_name("ckpts/epoch=0-step=4.ckpt") == "epoch_0-step_4"
+    assert checkpoint_name("/x/last.ckpt") == "last"
+    assert checkpoint_name("latest.ckpt") == "latest_"
+    assert checkpoint_name("a b/my run.ckpt") == "my_run"

@@ -47,14 +47,16 @@ def checkpoint_name(path: Any) -> str:
     """The vault checkpoint name Lightning's ``path`` is stored under.
 
     The file name without ``.ckpt``, with every character a vault name cannot hold
-    (``=``, spaces, ...) replaced by ``_``; the folder does not count.
+    (``=``, spaces, ...) replaced by ``_``; the folder does not count. ``latest.ckpt`` is
+    ``latest_``, since a vault reads ``latest`` as its newest checkpoint.
 
     Example:
         >>> checkpoint_name("checkpoints/epoch=0-step=4.ckpt")
         'epoch_0-step_4'
     """
     stem = PurePath(str(path)).name.removesuffix(".ckpt")
-    return _UNSAFE.sub("_", stem).lstrip("._-")[:128] or "checkpoint"
+    name = _UNSAFE.sub("_", stem).lstrip("._-")[:128] or "checkpoint"
+    return "latest_" if name == "latest" else name  # "latest" means the newest checkpoint
 
 
 class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
@@ -102,6 +104,7 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
         Raises:
             CheckpointNotFoundError: The vault has no checkpoint for ``path``.
+            ChecksumError: An object of the checkpoint is damaged.
         """
         with self.vault.open(checkpoint_name(path)) as ckpt:
             text = ckpt.manifest.metadata.get(STATE_KEY)
@@ -110,7 +113,7 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
                     f"{ckpt.path} was not saved by VaultCheckpointIO (it lacks the "
                     f"{STATE_KEY!r} metadata); resume from a checkpoint Lightning saved"
                 )
-            tensors = _load_file(ckpt)
+            tensors = _load_file(ckpt, verify=True)
         if isinstance(map_location, (str, torch.device)):
             tensors = {k: v.to(map_location) for k, v in tensors.items()}
         out = _decode(json.loads(text), tensors, ckpt.path)

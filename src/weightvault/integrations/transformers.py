@@ -156,6 +156,7 @@ def checkout(vault: Vault, name: str, folder: str | os.PathLike[str]) -> Path:
 
     Raises:
         CheckpointNotFoundError: The vault has no checkpoint ``name``.
+        ChecksumError: An object of the checkpoint is damaged (nothing is written).
         WeightvaultError: The checkpoint was not saved by :class:`VaultCallback` (it lacks
             the Trainer state, the optimizer, the scheduler or the RNG states).
 
@@ -172,6 +173,7 @@ def checkout(vault: Vault, name: str, folder: str | os.PathLike[str]) -> Path:
                 f"{where} was not saved by VaultCallback: it lacks the Trainer state or the "
                 "training state; save with VaultCallback to resume a Trainer from it"
             )
+        ckpt.verify()  # as vault.load does: damaged objects never reach the Trainer
         training = _training.read_training(ckpt.manifest.training, where)
         optimizer = _optimizer_state(ckpt, training, where)
         scheduler = _scheduler_state(training, where)
