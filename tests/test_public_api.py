@@ -134,3 +134,23 @@ def test_keras_integration_is_pinned():
     from weightvault.integrations import keras as integration
 
     assert integration.__all__ == ["VaultCheckpoint", "restore"]
+
+
+def test_integrations_are_pinned_and_not_imported_by_weightvault():
+    import pytest
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, weightvault, weightvault.integrations, "
+         "weightvault.torch\nassert not any(m in sys.modules for m in ('transformers', "
+         "'lightning', 'peft', 'weightvault.integrations.transformers', "
+         "'weightvault.integrations.lightning')), 'imported'"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    import weightvault.integrations.lightning as wvl
+    import weightvault.integrations.transformers as wvt
+
+    assert wvt.__all__ == ["VaultCallback", "checkout", "resume"]
+    assert wvl.__all__ == ["VaultCheckpointIO", "checkpoint_name"]

@@ -1,0 +1,126 @@
+"""Lightning checkpoints into a vault through VaultCheckpointIO and resumes from it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+import torch
+
+import weightvault
+import weightvault.torch as wv
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _lightning_worker as lw
+from weightvault.integrations.lightning import VaultCheckpointIO, checkpoint_name
+
+WORKER = str(Path(__file__).parent / "_lightning_worker.py")
+
+
+def _env() -> dict[str, str]:
+    # Same thread count as this process: the comparison is bitwise.
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [src, env.get("PYTHONPATH")] if p)
+    return env
+
+
+def _resume(tmp: Path, ckpt: Path, vault: Path | None) -> dict[str, torch.Tensor]:
+    out = tmp / f"resumed-{'vault' if vault else 'own'}.safetensors"
+    extra = [str(vault)] if vault else []
+    subprocess.run(
+        [sys.executable, WORKER, str(tmp / "resume"), str(ckpt), str(out), *extra],
+        env=_env(), check=True, timeout=300,
+    )  # fmt: skip
+    return wv.load_file(out)
+
+
+def test_fit_saves_into_the_vault_and_resumes_like_lightnings_own_checkpoint(
+    tmp_path: Path,
+) -> None:
+    own = lw.fit(tmp_path / "own")
+    files = sorted(p.name for p in (tmp_path / "own" / "ckpts").glob("*.ckpt"))
+    assert files == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+
+    vault = weightvault.Vault(tmp_path / "vault")
+    vaulted = lw.fit(tmp_path / "vaulted", vault=vault)
+    assert not list((tmp_path / "vaulted").rglob("*.ckpt"))
+    assert [r.name for r in vault.list()] == [checkpoint_name(f) for f in files]
+    for name, value in lw.params(own).items():  # the plugin leaves training untouched
+        assert torch.equal(value, lw.params(vaulted)[name]), name
+
+    # The checkpoint dict comes back as Lightning wrote it (same keys, equal tensors).
+    ckpt = tmp_path / "own" / "ckpts" / files[0]
+    theirs = torch.load(ckpt, weights_only=True)  # Lightning's own file, read as its oracle
+    ours = VaultCheckpointIO(vault).load_checkpoint(tmp_path / "vaulted" / "ckpts" / files[0])
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs["state_dict"].items():
+        assert torch.equal(value, ours["state_dict"][key]), key
+    assert (
+        ours["optimizer_states"][0]["param_groups"] == theirs["optimizer_states"][0]["param_groups"]
+    )
+    assert ours["loops"] == theirs["loops"]
+    for i, state in theirs["optimizer_states"][0]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, ours["optimizer_states"][0]["state"][i][k]), (i, k)
+
+    # A new process resumes from epoch 0: from Lightning's file, and from the vault.
+    expected = _resume(tmp_path, ckpt, None)
+    got = _resume(tmp_path, tmp_path / "vaulted" / "ckpts" / files[0], tmp_path / "vault")
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(value, got[name]), name
+
+
+def test_a_value_without_json_form_is_refused_by_key_and_nothing_is_stored(
+    tmp_path: Path,
+) -> None:
+    vault = weightvault.Vault(tmp_path / "vault")
+    io = VaultCheckpointIO(vault)
+    checkpoint = {
+        "epoch": 0,
+        "state_dict": {"w": torch.ones(3)},
+        "hyper_parameters": {"lr": 0.1, "activation": torch.nn.ReLU()},
+    }
+    with pytest.raises(
+        weightvault.WeightvaultError, match=r"\['hyper_parameters'\]\['activation'\]"
+    ) as e:
+        io.save_checkpoint(checkpoint, tmp_path / "epoch=0.ckpt")
+    assert isinstance(e.value, TypeError)
+    assert "ReLU" in str(e.value)
+    assert vault.list() == []
+
+
+def test_non_string_keys_tuples_and_special_floats_round_trip(tmp_path: Path) -> None:
+    vault = weightvault.Vault(tmp_path / "vault")
+    io = VaultCheckpointIO(vault)
+    shared = torch.arange(4.0)
+    checkpoint = {
+        "state": {0: {"step": torch.tensor(3.0)}, 1: {}},
+        "betas": (0.9, 0.999),
+        "best": float("inf"),
+        "nan": float("nan"),
+        "tied": [shared, shared],
+        "$odd": {"$tensor": "not a tag"},
+    }
+    io.save_checkpoint(checkpoint, "a/last.ckpt")
+    back = io.load_checkpoint("b/last.ckpt")  # keyed by the file name
+    assert back["state"][0]["step"].item() == 3.0 and back["state"][1] == {}
+    assert back["betas"] == (0.9, 0.999) and back["best"] == float("inf")
+    assert back["nan"] != back["nan"]
+    assert torch.equal(back["tied"][0], shared) and torch.equal(back["tied"][1], shared)
+    assert back["$odd"] == {"$tensor": "not a tag"}
+    io.remove_checkpoint("a/last.ckpt")
+    assert vault.list() == []
+
+
+def test_checkpoint_names_follow_the_file_name() -> None:
+    assert checkpoint_name("ckpts/epoch=0-step=4.ckpt") == "epoch_0-step_4"
+    assert checkpoint_name("/x/last.ckpt") == "last"
+    assert checkpoint_name("latest.ckpt") == "latest_"
+    assert checkpoint_name("a b/my run.ckpt") == "my_run"
