@@ -25,12 +25,22 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from . import __version__
+from ._cli_common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNEXPECTED,
+    EXIT_UNREADABLE,
+    EXIT_USAGE,
+    Subparsers,
+    add_command,
+    print_inspection,
+    report_diff,
+)
 from ._errors import FormatError, WeightvaultError
-from ._inspect import DiffReport, Inspection, diff, inspect, verify
-from ._progress import Progress, human
+from ._inspect import diff, inspect, verify
+from ._progress import Progress
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE, EXIT_UNEXPECTED = 0, 1, 2, 3, 4
-EXIT_INTERRUPTED = 130
 #: Set to 1 to let an unexpected error show its traceback.
 DEBUG_ENV = "WEIGHTVAULT_DEBUG"
 
@@ -54,15 +64,6 @@ examples:
 """
 
 
-_size = human
-
-
-def _table(rows: list[list[str]], out: TextIO) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
-
-
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     info = inspect(args.file)
     if args.json:
@@ -81,43 +82,6 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
     print_inspection(info, out)
     return EXIT_OK
-
-
-def print_inspection(info: Inspection, out: TextIO) -> None:
-    """The table of names grouped by the tensor they share, and the totals."""
-    rows = [["name", "dtype", "shape", "size", "held as"]]
-    members: dict[str, list[str]] = {}
-    for name, rec in info.tensors.items():
-        if rec.kind != "stored":
-            members.setdefault(rec.stored, []).append(name)
-    for name in info.stored:
-        t = info.tensors.get(name)
-        if t is None:  # storage that several views share, not itself a model name
-            size = _size(info.shared_storage[name])
-            rows.append([name, "U8", "", size, "storage shared by views"])
-        else:
-            flag = " (frozen)" if name in info.frozen else ""
-            if name in info.duplicates:
-                flag += f", equal to {info.duplicates[name]}"
-            rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
-        for other in members.get(name, []):
-            o = info.tensors[other]
-            how = {"alias": "alias of", "copy": "copy of", "view": "view of"}[o.kind]
-            rows.append([f"  {other}", o.dtype, str(list(o.shape)), "0 B", f"{how} {name}"])
-    _table(rows, out)
-    out.write(
-        f"\nlogical {_size(info.logical_bytes)}, stored {_size(info.stored_bytes)}, "
-        f"saved by deduplication {_size(info.bytes_saved)}; "
-        f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
-        f"{len(info.frozen)} frozen\n"
-    )
-    if info.duplicates:
-        out.write(
-            f"{len(info.duplicates)} copies are stored under their own names for plain "
-            f"readers; dedupe_copies=True would save {_size(info.dedupe_savings)} more\n"
-        )
-    if info.metadata:
-        out.write(f"metadata: {json.dumps(info.metadata)}\n")
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -145,49 +109,6 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     return report_diff(diff(args.a, args.b), args.atol, args.json, out)
-
-
-def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
-    """Print a diff (``-`` removed, ``+`` added, ``~`` changed) and return the exit code."""
-    changed = [(n, v) for n, v in d.changed if v is None or v > atol]
-    within = len(d.changed) - len(changed)
-    if as_json:
-        doc = asdict(d)
-        doc["changed"] = changed
-        json.dump(doc, out, indent=2)
-        out.write("\n")
-    else:
-        for n in d.removed:
-            out.write(f"- {n}\n")
-        for n in d.added:
-            out.write(f"+ {n}\n")
-        for n, a, b in d.reshaped:
-            out.write(f"~ {n}: {a} -> {b}\n")
-        for n, v in changed:
-            out.write(f"~ {n}: max abs diff {'?' if v is None else f'{v:.6g}'}\n")
-        out.write(
-            f"{len(d.removed)} removed, {len(d.added)} added, {len(d.reshaped)} reshaped, "
-            f"{len(changed)} changed, {within} within --atol, {d.same} identical\n"
-        )
-    return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
-
-
-Subparsers = Any  # argparse's _SubParsersAction, which is private
-
-
-def add_command(
-    sub: Subparsers, name: str, func: Callable[..., int], help: str, epilog: str
-) -> argparse.ArgumentParser:
-    """Add one subcommand whose handler is ``func(args, out) -> exit code``."""
-    p: argparse.ArgumentParser = sub.add_parser(
-        name,
-        help=help,
-        description=help,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.set_defaults(func=func)
-    return p
 
 
 def _extensions() -> list[Callable[[Subparsers], None]]:

@@ -57,8 +57,9 @@ except ImportError:  # pragma: no cover - pytrees and Equinox work without Flax
 
 from . import _rules, _transforms, _writer
 from ._match import RulesArg, Target, plan_load
+from ._open import opened
 from ._plan import Source
-from ._reader import Checkpoint, Entry, opened
+from ._reader import Checkpoint, Entry
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import BackendNotInstalled, FormatError, WeightvaultError, capped
+from ._errors import BackendNotInstalled, WeightvaultError, capped
 
 try:
     import keras
@@ -47,8 +47,9 @@ from . import _rules, _transforms, _writer
 from ._header import TensorInfo
 from ._manifest import Manifest, View
 from ._match import RulesArg, Target, plan_load
+from ._open import open_checkpoint, opened
 from ._plan import Source
-from ._reader import Checkpoint, open_checkpoint, opened
+from ._reader import Checkpoint
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
@@ -408,24 +409,6 @@ def _read(ckpt: Checkpoint, name: str) -> Any:
     return _value(ckpt, name, _base(ckpt, e.stored))
 
 
-def _open(path: Source_) -> Checkpoint:
-    """Open a weightvault/safetensors file, or Keras' own ``.weights.h5``."""
-    if isinstance(path, Checkpoint):
-        return path
-    where = os.fspath(path)
-    if where.endswith(".h5"):
-        try:
-            from .formats.keras_h5 import open_keras_h5  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise FormatError(
-                f"{where}: reading Keras .weights.h5 files needs weightvault's h5 reader "
-                "and h5py: pip install 'weightvault[keras]'"
-            ) from e
-        ckpt: Checkpoint = open_keras_h5(where)
-        return ckpt
-    return open_checkpoint(where)
-
-
 def load_file(
     path: Source_, *, mmap: bool = False, verify: bool = False, max_bytes: int | None = None
 ) -> dict[str, Any]:
@@ -452,7 +435,7 @@ def load_file(
         >>> arrays["tied_1/shared_kernel"] is arrays["tied/shared_kernel"]
         True
     """
-    ckpt = _open(path)
+    ckpt = open_checkpoint(path)
     try:
         # Views are views of their base and aliases share one array; what allocates is
         # every base read without mmap and every copy.
@@ -631,7 +614,7 @@ def load(
         for v in vs
     ]
     pairs = _transforms.check(transforms)
-    with opened(_open(path)) as raw_ckpt:
+    with opened(open_checkpoint(path)) as raw_ckpt:
         ckpt = _as_ours(raw_ckpt, vs)
 
         def equal(a: str, b: str) -> bool:

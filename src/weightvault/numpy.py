@@ -29,8 +29,9 @@ except ImportError as e:  # pragma: no cover - exercised only without numpy
 
 from . import _writer
 from ._match import RulesArg, Target, plan_load
+from ._open import opened
 from ._plan import Source
-from ._reader import Checkpoint, Entry, opened
+from ._reader import Checkpoint, Entry
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["load", "load_file", "save"]

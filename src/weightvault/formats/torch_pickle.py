@@ -413,7 +413,7 @@ def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignC
     import torch
     from torch import nn
 
-    from ..torch import _layout_identity, _source
+    from .._torch_tensors import _layout_identity, _source
 
     if is_zip:
         _validate_zip(where, budget.requested)
