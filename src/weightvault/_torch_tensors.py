@@ -12,47 +12,21 @@ from typing import Any
 
 import torch
 
-from ._errors import WeightvaultError, capped
+from ._dtypes import FRAMEWORK_NAMES, unsupported
+from ._errors import UnsupportedDtypeError as UnsupportedDtypeError, WeightvaultError
 from ._plan import Source
 from ._reader import Checkpoint, Entry
 
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-}
+#: safetensors dtype name -> torch dtype, from the one table in :mod:`._dtypes`.
+DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in FRAMEWORK_NAMES.items()}
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-class UnsupportedDtypeError(WeightvaultError, TypeError):
-    """A tensor's dtype has no safetensors name (for example ``complex128``)."""
 
 
 def _dtype_name(name: str, t: torch.Tensor) -> str:
     try:
         return NAMES[t.dtype]
     except KeyError:
-        raise UnsupportedDtypeError(
-            f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; "
-            f"convert it first, for example with .to(torch.float32). Supported: "
-            f"{capped([str(d) for d in DTYPES.values()], 20)}"
-        ) from None
+        raise unsupported(f"tensor {name!r}", t.dtype, ".to(torch.float32)") from None
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

@@ -29,11 +29,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, numpy_dtype, unsupported
 from ._errors import BackendNotInstalled, WeightvaultError, capped
 
 try:
     import keras
-    import ml_dtypes
+    import ml_dtypes  # noqa: F401 - the dtype table below needs it (bf16, fp8)
     import numpy as np
     from keras.src.saving import saving_lib
     from keras.src.saving.keras_saveable import KerasSaveable
@@ -60,48 +61,10 @@ FRAMEWORK = "keras"
 PathLike = str | os.PathLike[str]
 Source_ = PathLike | Checkpoint
 
-#: Keras dtype name -> safetensors dtype name.
-NAMES: dict[str, str] = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fn": "F8_E4M3",
-    "int16": "I16",
-    "uint16": "U16",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int32": "I32",
-    "uint32": "U32",
-    "float32": "F32",
-    "int64": "I64",
-    "uint64": "U64",
-    "float64": "F64",
-    "complex64": "C64",
-}
+#: Keras dtype name -> safetensors dtype name (Keras names dtypes as numpy and torch do).
+NAMES: dict[str, str] = BY_FRAMEWORK_NAME
 #: safetensors dtype name -> numpy dtype (ml_dtypes, a Keras dependency, for bf16/fp8).
-NUMPY: dict[str, Any] = {
-    "BOOL": np.dtype(bool),
-    "U8": np.dtype("<u1"),
-    "I8": np.dtype("<i1"),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    # No Keras dtype holds these three; load_file still returns them as ml_dtypes arrays.
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
-    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
-    "I16": np.dtype("<i2"),
-    "U16": np.dtype("<u2"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I32": np.dtype("<i4"),
-    "U32": np.dtype("<u4"),
-    "F32": np.dtype("<f4"),
-    "I64": np.dtype("<i8"),
-    "U64": np.dtype("<u8"),
-    "F64": np.dtype("<f8"),
-    "C64": np.dtype("<c8"),
-}
+NUMPY: dict[str, Any] = {k: numpy_dtype(k) for k in ITEMSIZE}
 _BY_NUMPY = {v: k for k, v in NUMPY.items()}
 
 # A path in Keras' own weights files: "<inner path>/vars/<index>".
@@ -124,10 +87,7 @@ def _dtype_name(name: str, dtype: str) -> str:
     try:
         return NAMES[str(dtype)]
     except KeyError:
-        raise WeightvaultError(
-            f"variable {name!r} has dtype {dtype}, which safetensors cannot store; "
-            f"cast it first. Supported: {capped(NAMES, 20)}"
-        ) from None
+        raise unsupported(f"variable {name!r}", dtype, "a cast to float32") from None
 
 
 def _join(*parts: str) -> str:
@@ -755,3 +715,18 @@ def trainable(model: Any) -> list[Any]:
         >>> opt.build(trainable(model))
     """
     return list(model.trainable_variables)
+
+
+# -- the adapter contract (weightvault._adapters.Adapter), used by the vault --------------
+
+
+def owns(obj: Any) -> bool:
+    """Whether ``obj`` is a Keras layer or model, or a dict holding Keras variables."""
+    if isinstance(obj, Mapping):
+        return any(isinstance(v, keras.Variable) for v in obj.values())
+    return isinstance(obj, keras.layers.Layer)
+
+
+def sources(obj: Any) -> tuple[list[Source], list[str]]:
+    """``(sources, skipped)`` of a model or variable dict, as :func:`save` would store them."""
+    return _sources(obj)

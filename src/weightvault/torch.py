@@ -122,7 +122,7 @@ def _sources(
     return sources, skipped
 
 
-def _checkpoint_sources(
+def checkpoint_sources(
     obj: nn.Module | Mapping[str, torch.Tensor],
     *,
     optimizer: torch.optim.Optimizer | None = None,
@@ -196,7 +196,7 @@ def save(
     if _pending is not None:
         _pending.settle()  # one save at a time, in order
         _pending = None
-    sources, skipped, training = _checkpoint_sources(
+    sources, skipped, training = checkpoint_sources(
         obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=background
     )
 
@@ -575,3 +575,18 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
         >>> opt = torch.optim.AdamW(trainable(model), lr=1e-4, weight_decay=0.1)
     """
     return [p for p in model.parameters() if p.requires_grad]
+
+
+# -- the adapter contract (weightvault._adapters.Adapter), used by the vault --------------
+
+
+def owns(obj: Any) -> bool:
+    """Whether ``obj`` is an ``nn.Module`` or a dict holding torch tensors."""
+    if isinstance(obj, Mapping):
+        return any(isinstance(v, torch.Tensor) for v in obj.values())
+    return isinstance(obj, nn.Module)
+
+
+def sources(obj: Any) -> tuple[list[Source], list[str]]:
+    """``(sources, skipped)`` of a module or tensor dict, as :func:`save` would store them."""
+    return _sources(obj)

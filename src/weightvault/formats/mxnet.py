@@ -21,11 +21,11 @@ import os
 import struct
 
 from .._detect import MXNET_LIST_MAGIC as LIST_MAGIC
-from .._dtypes import ITEMSIZE, numel
+from .._dtypes import ITEMSIZE, MAX_DIMS, numel
 from .._errors import FormatError
 from .._limits import DecodeBudget
 from .._plan import Source
-from ._common import MAX_DIMS, ForeignCheckpoint, build, decoding, map_file, plain
+from ._common import ForeignCheckpoint, build, decoding, map_file, plain
 
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 #: mshadow type flags -> safetensors dtype names (seed-systems.md §2.4).
