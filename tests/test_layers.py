@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {"_reader", "_writer", "_training", "_values", "_store", "_transforms"},
     ),
     ("policy", {"_match"}),
-    ("framework tensors", {"_torch_tensors"}),
+    ("framework internals", {"_torch_tensors", "_keras_internals"}),
     (
         "foreign readers",
         {
