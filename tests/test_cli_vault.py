@@ -97,3 +97,10 @@ def test_plot_writes_a_png(vault, tmp_path):
     code, out = run("vault", str(root), "plot", "-o", str(png))
     assert code == 0 and str(png) in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_refused_request_is_not_an_unreadable_input(vault, capsys):
+    root, _ = vault
+    # "latest" can never be deleted by name: the vault was read, the request is refused.
+    assert run("vault", str(root), "rm", "latest")[0] == 5
+    assert "latest" in capsys.readouterr().err

@@ -1,14 +1,8 @@
 """The ``weightvault`` command line: inspect, verify, diff (and, from other modules,
 convert and vault) checkpoint files.
 
-Exit codes (also in ``weightvault --help``):
-    0  success: the file is intact, or the two files are identical
-    1  a check failed: verify found damage, or diff found differences
-    2  usage error (bad arguments)
-    3  an input could not be read: missing file, or not a valid checkpoint
-    4  an unexpected error: a one-line message, never a traceback; set
-       WEIGHTVAULT_DEBUG=1 to see the traceback (and please report it)
-  130  interrupted (Ctrl-C)
+Exit codes: one meaning each, listed in :data:`._cli_common.EXIT_CODES`, which
+``weightvault --help`` prints and docs/cli.md repeats.
 """
 
 from __future__ import annotations
@@ -19,6 +13,7 @@ import io
 import json
 import os
 import sys
+import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -26,14 +21,15 @@ from typing import Any, TextIO
 
 from . import __version__
 from ._cli_common import (
+    EXIT_CODES,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNEXPECTED,
-    EXIT_UNREADABLE,
     EXIT_USAGE,
     Subparsers,
     add_command,
+    exit_code,
     print_inspection,
     report_diff,
 )
@@ -43,17 +39,15 @@ from ._progress import Progress
 
 #: Set to 1 to let an unexpected error show its traceback.
 DEBUG_ENV = "WEIGHTVAULT_DEBUG"
+EXIT_TABLE = "\n".join(
+    textwrap.fill(meaning, 78, initial_indent=f"  {code:<4}", subsequent_indent=" " * 6)
+    for code, meaning in EXIT_CODES.items()
+)
 
-EPILOG = """\
+EPILOG = f"""\
 exit codes:
-  0  success (intact file, identical files)
-  1  a check failed (verify found damage, diff found differences)
-  2  usage error
-  3  an input could not be read (missing file; for inspect and diff, also a
-     file that is not a checkpoint; verify reports that as damage, exit 1)
-  4  unexpected error, reported in one line (WEIGHTVAULT_DEBUG=1 shows the
-     traceback; please report it)
-  130 interrupted
+{EXIT_TABLE}
+  verify reports a file that is not a valid checkpoint as damage (1), not as 3.
 
 examples:
   weightvault inspect model.safetensors
@@ -188,7 +182,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return EXIT_OK
     except (WeightvaultError, OSError) as e:
         _error(args.command, str(e))
-        return EXIT_UNREADABLE
+        return exit_code(e)
     except KeyboardInterrupt:
         _error(args.command, "interrupted")
         return EXIT_INTERRUPTED

@@ -12,11 +12,51 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from ._errors import (
+    BackendNotInstalled,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    FormatError,
+    WeightvaultError,
+)
 from ._inspect import DiffReport, Inspection
 from ._progress import human
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE, EXIT_UNEXPECTED = 0, 1, 2, 3, 4
+EXIT_REFUSED, EXIT_NOT_INSTALLED = 5, 6
 EXIT_INTERRUPTED = 130
+
+#: Every exit code and its one meaning; ``--help`` and docs/cli.md say the same.
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success (intact file, identical files, done)",
+    EXIT_FAILED: "a check failed (verify found damage, diff found differences)",
+    EXIT_USAGE: "usage error (unknown command, missing or malformed arguments)",
+    EXIT_UNREADABLE: "an input could not be read (missing or unreadable file, not a "
+    "valid checkpoint, no vault checkpoint of that name)",
+    EXIT_UNEXPECTED: "unexpected error, reported in one line (WEIGHTVAULT_DEBUG=1 shows "
+    "the traceback; please report it)",
+    EXIT_REFUSED: "refused: the inputs are fine but the request cannot be done as asked "
+    "(a checkpoint name taken or invalid, a rule that matches nothing, names that do "
+    "not match)",
+    EXIT_NOT_INSTALLED: "a package the input needs is not installed (the message gives "
+    "the pip command)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code of a command that raised ``error`` (see :data:`EXIT_CODES`)."""
+    if isinstance(error, BackendNotInstalled):
+        return EXIT_NOT_INSTALLED
+    # CheckpointExistsError is a FileExistsError, hence an OSError: test it first.
+    if isinstance(error, CheckpointExistsError):
+        return EXIT_REFUSED
+    if isinstance(error, FormatError | CheckpointNotFoundError | OSError):
+        return EXIT_UNREADABLE
+    if isinstance(error, WeightvaultError):
+        return EXIT_REFUSED
+    return EXIT_UNEXPECTED
+
 
 _size = human
 

@@ -55,7 +55,15 @@ class Entry:
 class Checkpoint:
     """Names, manifest and bytes of one checkpoint, however it is kept.
 
-    Subclasses provide :meth:`raw` and, if they can, :meth:`check`.
+    Public as ``weightvault.Checkpoint``: what :meth:`weightvault.Vault.open` and
+    :func:`weightvault.formats.open_any` return, and what every adapter's ``load``
+    accepts in place of a path. Subclasses provide :meth:`raw` and, if they can,
+    :meth:`check`.
+
+    Example:
+        >>> with weightvault.formats.open_any("model-0000.params") as ckpt:
+        ...     isinstance(ckpt, weightvault.Checkpoint), ckpt.container
+        (True, 'mxnet')
     """
 
     def __init__(self, path: str, stored: dict[str, TensorInfo], manifest: Manifest) -> None:

@@ -18,7 +18,10 @@ from ._plan import Source
 from ._reader import Checkpoint, Entry
 
 #: safetensors dtype name -> torch dtype, from the one table in :mod:`._dtypes`.
-DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in FRAMEWORK_NAMES.items()}
+#: A PyTorch older than a dtype (float8_e8m0fnu is recent) simply lacks its entry.
+DTYPES: dict[str, torch.dtype] = {
+    k: getattr(torch, v) for k, v in FRAMEWORK_NAMES.items() if hasattr(torch, v)
+}
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
