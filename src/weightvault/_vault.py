@@ -540,7 +540,9 @@ class Vault:
         written; the checksums of present ones are reused, so an unchanged byte is read once.
 
         Args:
-            model: A model of any installed adapter (a PyTorch ``nn.Module`` or tensor dict).
+            model: Anything an installed adapter owns (see :mod:`._adapters`): a PyTorch
+                ``nn.Module`` or tensor dict, a Keras model, an NNX or Equinox module or
+                pytree, or a dict of numpy arrays.
             name: The checkpoint's name; by default the next number (``000001``, ...).
             metadata: Your ``str -> str`` metadata.
             progress: Called with a byte count as tensors are hashed and written.
