@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 import weightvault  # noqa: E402
 import weightvault._writer  # noqa: E402
 import weightvault.torch as wvt  # noqa: E402
+from weightvault import _torch_tensors  # noqa: E402
 
 #: 16 tensors of 1 Mi int32 each: 64 MiB per version.
 TENSORS = 16
@@ -238,7 +239,7 @@ def test_failing_tensor_data_keeps_old_file(
     wvt.save(small(1), path)
     old = path.read_bytes()
 
-    real = wvt._bytes
+    real = _torch_tensors._bytes
     seen: list[int] = []
 
     def bytes_(t: Any) -> memoryview:
@@ -247,7 +248,7 @@ def test_failing_tensor_data_keeps_old_file(
             raise RuntimeError("device lost")
         return real(t)
 
-    monkeypatch.setattr(wvt, "_bytes", bytes_)
+    monkeypatch.setattr(_torch_tensors, "_bytes", bytes_)
     with pytest.raises(RuntimeError, match="device lost"):
         wvt.save(small(2), path)
     assert path.read_bytes() == old

@@ -96,3 +96,38 @@ def test_inspect_names_a_foreign_format(tmp_path):
     assert code == 0
     assert out.startswith(f"{path}: numpy file, read without its framework, 2 names, 1 stored")
     assert "copy of a" in out
+
+
+def test_each_exit_code_has_one_meaning_everywhere(capsys):
+    from pathlib import Path
+
+    from weightvault import (
+        BackendNotInstalled,
+        CheckpointExistsError,
+        CheckpointNameError,
+        CheckpointNotFoundError,
+        ChecksumError,
+        FormatError,
+        RuleError,
+    )
+    from weightvault._cli_common import EXIT_CODES, exit_code
+
+    cases = {
+        FormatError("f"): 3,
+        ChecksumError("f", []): 3,
+        CheckpointNotFoundError("n"): 3,
+        FileNotFoundError("f"): 3,
+        # A name already taken was read fine: the save is refused, not unreadable.
+        CheckpointExistsError("n"): 5,
+        CheckpointNameError("n"): 5,
+        RuleError("r"): 5,
+        BackendNotInstalled("pip install h5py"): 6,
+        RuntimeError("bug"): 4,
+    }
+    assert {e: exit_code(e) for e in cases} == cases
+    assert run("--help")[0] == 0
+    text = capsys.readouterr().out
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    for code in EXIT_CODES:
+        assert f"\n  {code:<4}" in text, code
+        assert f"\n| {code} |" in docs, code

@@ -117,3 +117,10 @@ def test_export_keeps_copies_for_plain_readers_unless_asked(tmp_path: Path) -> N
     assert plain.stat().st_size - deduped.stat().st_size >= 256 * 4
     for path in (plain, deduped):
         assert torch.equal(wv.load_file(path)["b"], torch.ones(256))
+
+
+def test_a_refused_request_is_not_an_unreadable_input(vault, capsys):
+    root, _ = vault
+    # "latest" can never be deleted by name: the vault was read, the request is refused.
+    assert run("vault", str(root), "rm", "latest")[0] == 5
+    assert "latest" in capsys.readouterr().err

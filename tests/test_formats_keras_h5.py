@@ -16,7 +16,7 @@ import pytest
 import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
-from weightvault._reader import open_checkpoint
+from weightvault._open import open_checkpoint
 from weightvault.formats import detect
 from weightvault.formats.keras_h5 import open_keras_h5
 

@@ -19,7 +19,7 @@ import pytest
 import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
-from weightvault._reader import open_checkpoint
+from weightvault._open import open_checkpoint
 from weightvault.formats import detect
 from weightvault.rules import GLUON_TO_TORCH, MXNET_PREFIXES
 

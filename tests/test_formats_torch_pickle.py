@@ -22,7 +22,7 @@ import pytest
 import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
-from weightvault._reader import open_checkpoint
+from weightvault._open import open_checkpoint
 from weightvault.formats import detect
 from weightvault.formats.torch_pickle import scan
 
@@ -187,7 +187,7 @@ NO_TORCH = """
 import json, sys
 sys.modules["torch"] = None
 import weightvault, weightvault.numpy as wvn
-from weightvault._reader import open_checkpoint
+from weightvault._open import open_checkpoint
 out = {}
 with open_checkpoint(sys.argv[1]) as ckpt:
     out["kinds"] = {n: ckpt.entry(n).kind for n in ckpt.names}

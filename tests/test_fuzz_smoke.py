@@ -27,7 +27,7 @@ import pytest
 
 import weightvault
 import weightvault.numpy as wvn
-from weightvault._reader import open_checkpoint
+from weightvault._open import open_checkpoint
 
 try:
     import torch

@@ -242,17 +242,13 @@ def test_keras_weights_h5_with_shared_kernel_loads_once(tmp_path, count_assigns)
 
 
 def test_keras_weights_h5_through_the_reader_and_convert(tmp_path):
-    pytest.importorskip("weightvault.formats.keras_h5")
     model = seed_model(shared=True)
     h5 = str(tmp_path / "s.weights.h5")
     model.save_weights(h5)
     fresh = seed_model(shared=True, seed=3)
     assert wvk.load(fresh, h5).ok
     np.testing.assert_array_equal(np_(fresh.weights[0]), np_(model.weights[0]))
-    convert = getattr(weightvault, "convert", None)
-    if convert is None:
-        pytest.skip("weightvault.convert is not there yet")
-    convert(h5, str(tmp_path / "s.safetensors"), dedupe_copies=True)
+    weightvault.convert(h5, str(tmp_path / "s.safetensors"), dedupe_copies=True)
     info = weightvault.inspect(str(tmp_path / "s.safetensors"))
     # Keras' four copies of the kernel are stored once.
     assert os.path.getsize(tmp_path / "s.safetensors") < 1.1 * KERNEL * KERNEL * 4, info

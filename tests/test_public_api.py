@@ -11,6 +11,7 @@ import weightvault
 def test_all_is_pinned():
     assert weightvault.__all__ == [
         "BackendNotInstalled",
+        "Checkpoint",
         "CheckpointExistsError",
         "CheckpointNameError",
         "CheckpointNotFoundError",
@@ -28,6 +29,7 @@ def test_all_is_pinned():
         "SaveReport",
         "ShapeMismatchError",
         "TieConflictError",
+        "UnsupportedDtypeError",
         "UnsupportedValueError",
         "Vault",
         "VaultVerifyReport",

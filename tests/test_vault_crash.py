@@ -282,9 +282,20 @@ def test_an_object_write_killed_midway_is_ignored_then_freed(tmp_path: Path) -> 
 
 def test_gc_survives_an_intent_write_killed_midway(tmp_path: Path) -> None:
     vault = Vault(tmp_path)
-    vault.save(build(1, width=16))
-    _interrupted_put(tmp_path, "intents", b"")
+    model = build(1, width=16)
+    vault.save(model)
+    partial = _interrupted_put(tmp_path, "intents", b"")
+
+    # The empty temp file is no intent: gc neither fails on it nor frees a live object.
+    assert vault.gc() == 0
+    assert vault.verify().ok
+    fresh = build(2, width=16)
+    vault.load(fresh)
+    assert_bitwise(snapshot(fresh), snapshot(model))
+    # Once stale, the leftover is cleaned up like any other abandoned temporary file.
+    age(tmp_path / "intents", 2 * vault_module.STALE_SECONDS)
     vault.gc()
+    assert not partial.exists()
 
 
 def test_a_stale_gc_marker_does_not_block_saves(tmp_path: Path) -> None:

@@ -30,10 +30,12 @@ from ._errors import (
     RuleError,
     ShapeMismatchError,
     TieConflictError,
+    UnsupportedDtypeError,
     UnsupportedValueError,
     WeightvaultError,
 )
 from ._inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
+from ._reader import Checkpoint
 from ._reports import LoadReport, OptimizerReport, SaveReport
 from ._vault import CheckpointRecord, Vault, VaultVerifyReport
 
@@ -41,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendNotInstalled",
+    "Checkpoint",
     "CheckpointExistsError",
     "CheckpointNameError",
     "CheckpointNotFoundError",
@@ -58,6 +61,7 @@ __all__ = [
     "SaveReport",
     "ShapeMismatchError",
     "TieConflictError",
+    "UnsupportedDtypeError",
     "UnsupportedValueError",
     "Vault",
     "VaultVerifyReport",

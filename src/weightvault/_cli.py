@@ -1,14 +1,8 @@
 """The ``weightvault`` command line: inspect, verify, diff (and, from other modules,
 convert and vault) checkpoint files.
 
-Exit codes (also in ``weightvault --help``):
-    0  success: the file is intact, or the two files are identical
-    1  a check failed: verify found damage, or diff found differences
-    2  usage error (bad arguments)
-    3  an input could not be read: missing file, or not a valid checkpoint
-    4  an unexpected error: a one-line message, never a traceback; set
-       WEIGHTVAULT_DEBUG=1 to see the traceback (and please report it)
-  130  interrupted (Ctrl-C)
+Exit codes: one meaning each, listed in :data:`._cli_common.EXIT_CODES`, which
+``weightvault --help`` prints and docs/cli.md repeats.
 """
 
 from __future__ import annotations
@@ -19,31 +13,41 @@ import io
 import json
 import os
 import sys
+import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
 from . import __version__
+from ._cli_common import (
+    EXIT_CODES,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNEXPECTED,
+    EXIT_USAGE,
+    Subparsers,
+    add_command,
+    exit_code,
+    print_inspection,
+    report_diff,
+)
 from ._errors import FormatError, WeightvaultError
-from ._inspect import DiffReport, Inspection, diff, inspect, verify
-from ._progress import Progress, human
+from ._inspect import diff, inspect, verify
+from ._progress import Progress
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE, EXIT_UNEXPECTED = 0, 1, 2, 3, 4
-EXIT_INTERRUPTED = 130
 #: Set to 1 to let an unexpected error show its traceback.
 DEBUG_ENV = "WEIGHTVAULT_DEBUG"
+EXIT_TABLE = "\n".join(
+    textwrap.fill(meaning, 78, initial_indent=f"  {code:<4}", subsequent_indent=" " * 6)
+    for code, meaning in EXIT_CODES.items()
+)
 
-EPILOG = """\
+EPILOG = f"""\
 exit codes:
-  0  success (intact file, identical files)
-  1  a check failed (verify found damage, diff found differences)
-  2  usage error
-  3  an input could not be read (missing file; for inspect and diff, also a
-     file that is not a checkpoint; verify reports that as damage, exit 1)
-  4  unexpected error, reported in one line (WEIGHTVAULT_DEBUG=1 shows the
-     traceback; please report it)
-  130 interrupted
+{EXIT_TABLE}
+  verify reports a file that is not a valid checkpoint as damage (1), not as 3.
 
 examples:
   weightvault inspect model.safetensors
@@ -52,15 +56,6 @@ examples:
   weightvault diff step100.safetensors step200.safetensors
   weightvault vault runs/ft log            (see: weightvault vault --help)
 """
-
-
-_size = human
-
-
-def _table(rows: list[list[str]], out: TextIO) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
@@ -81,43 +76,6 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
     print_inspection(info, out)
     return EXIT_OK
-
-
-def print_inspection(info: Inspection, out: TextIO) -> None:
-    """The table of names grouped by the tensor they share, and the totals."""
-    rows = [["name", "dtype", "shape", "size", "held as"]]
-    members: dict[str, list[str]] = {}
-    for name, rec in info.tensors.items():
-        if rec.kind != "stored":
-            members.setdefault(rec.stored, []).append(name)
-    for name in info.stored:
-        t = info.tensors.get(name)
-        if t is None:  # storage that several views share, not itself a model name
-            size = _size(info.shared_storage[name])
-            rows.append([name, "U8", "", size, "storage shared by views"])
-        else:
-            flag = " (frozen)" if name in info.frozen else ""
-            if name in info.duplicates:
-                flag += f", equal to {info.duplicates[name]}"
-            rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
-        for other in members.get(name, []):
-            o = info.tensors[other]
-            how = {"alias": "alias of", "copy": "copy of", "view": "view of"}[o.kind]
-            rows.append([f"  {other}", o.dtype, str(list(o.shape)), "0 B", f"{how} {name}"])
-    _table(rows, out)
-    out.write(
-        f"\nlogical {_size(info.logical_bytes)}, stored {_size(info.stored_bytes)}, "
-        f"saved by deduplication {_size(info.bytes_saved)}; "
-        f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
-        f"{len(info.frozen)} frozen\n"
-    )
-    if info.duplicates:
-        out.write(
-            f"{len(info.duplicates)} copies are stored under their own names for plain "
-            f"readers; dedupe_copies=True would save {_size(info.dedupe_savings)} more\n"
-        )
-    if info.metadata:
-        out.write(f"metadata: {json.dumps(info.metadata)}\n")
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -145,49 +103,6 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     return report_diff(diff(args.a, args.b), args.atol, args.json, out)
-
-
-def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
-    """Print a diff (``-`` removed, ``+`` added, ``~`` changed) and return the exit code."""
-    changed = [(n, v) for n, v in d.changed if v is None or v > atol]
-    within = len(d.changed) - len(changed)
-    if as_json:
-        doc = asdict(d)
-        doc["changed"] = changed
-        json.dump(doc, out, indent=2)
-        out.write("\n")
-    else:
-        for n in d.removed:
-            out.write(f"- {n}\n")
-        for n in d.added:
-            out.write(f"+ {n}\n")
-        for n, a, b in d.reshaped:
-            out.write(f"~ {n}: {a} -> {b}\n")
-        for n, v in changed:
-            out.write(f"~ {n}: max abs diff {'?' if v is None else f'{v:.6g}'}\n")
-        out.write(
-            f"{len(d.removed)} removed, {len(d.added)} added, {len(d.reshaped)} reshaped, "
-            f"{len(changed)} changed, {within} within --atol, {d.same} identical\n"
-        )
-    return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
-
-
-Subparsers = Any  # argparse's _SubParsersAction, which is private
-
-
-def add_command(
-    sub: Subparsers, name: str, func: Callable[..., int], help: str, epilog: str
-) -> argparse.ArgumentParser:
-    """Add one subcommand whose handler is ``func(args, out) -> exit code``."""
-    p: argparse.ArgumentParser = sub.add_parser(
-        name,
-        help=help,
-        description=help,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.set_defaults(func=func)
-    return p
 
 
 def _extensions() -> list[Callable[[Subparsers], None]]:
@@ -267,7 +182,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return EXIT_OK
     except (WeightvaultError, OSError) as e:
         _error(args.command, str(e))
-        return EXIT_UNREADABLE
+        return exit_code(e)
     except KeyboardInterrupt:
         _error(args.command, "interrupted")
         return EXIT_INTERRUPTED

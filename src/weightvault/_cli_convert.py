@@ -8,7 +8,7 @@ import sys
 from typing import Any, TextIO
 
 from . import rules as _named_rules
-from ._cli import EXIT_OK, EXIT_USAGE, Subparsers, _size, add_command
+from ._cli_common import EXIT_OK, EXIT_USAGE, Subparsers, _size, add_command
 from ._convert import convert
 from ._errors import RuleError
 from ._rules import Rule, check

@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from ._cli import (
+from ._cli_common import (
     EXIT_FAILED,
     EXIT_OK,
     Subparsers,
@@ -18,7 +18,7 @@ from ._cli import (
     print_inspection,
     report_diff,
 )
-from ._inspect import _inspection, diff
+from ._inspect import diff, inspect
 from ._progress import Progress, human
 from ._vault import Vault
 
@@ -71,7 +71,7 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     with vault.open(args.name) as ckpt:
-        info = _inspection(ckpt)
+        info = inspect(ckpt)
         record = ckpt.record
     if args.json:
         doc: dict[str, Any] = {"record": asdict(record), "tensors": asdict(info)["tensors"]}

@@ -17,8 +17,9 @@ from collections.abc import Hashable
 
 from . import _rules, _writer
 from ._errors import RuleError
+from ._open import opened
 from ._plan import Source
-from ._reader import Checkpoint, Entry, opened
+from ._reader import Checkpoint, Entry
 from ._reports import SaveReport
 from ._training import is_training
 

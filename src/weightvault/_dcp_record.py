@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,11 +128,22 @@ class DcpCheckpoint(Checkpoint):
     its object, so gc keeps and verify checks every piece.
     """
 
-    def __init__(self, store: Store, name: str, doc: Mapping[str, Any]) -> None:
-        from ._vault import _data_size, _record  # the vault imports this module lazily
-
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        doc: Mapping[str, Any],
+        *,
+        record: Any,
+        data_size: Callable[[bytes, str], int],
+        content_hash: Callable[[memoryview | bytes], str],
+    ) -> None:
+        # The vault hands in its record, header sizing and hash, so this module sits below
+        # the vault instead of importing it back.
         where = f"{store.url}/checkpoints/{name}.json"
-        self.record = _record(name, doc, where)
+        self.record = record
+        self._hash = content_hash
+        _data_size = data_size
         section, header_text = doc.get("dcp"), doc.get("header")
         if not isinstance(section, dict) or not isinstance(header_text, str):
             raise FormatError(f"{where}: DCP checkpoint record lacks its chunk table or header")
@@ -237,10 +248,8 @@ class DcpCheckpoint(Checkpoint):
         return False
 
     def check(self, stored: str) -> bool:
-        from ._vault import content_hash
-
         t = self.tensors[self.prefix + stored]
-        return all(content_hash(self._piece(stored, c, t.dtype)) == c.digest for c in t.chunks)
+        return all(self._hash(self._piece(stored, c, t.dtype)) == c.digest for c in t.chunks)
 
 
 def _place(out: bytearray, shape: tuple[int, ...], item: int, c: Chunk, src: memoryview) -> None:

@@ -159,3 +159,11 @@ class CheckpointNameError(WeightvaultError, ValueError):
 
 class BackendNotInstalled(WeightvaultError, ImportError):
     """An adapter's framework is not installed; the message gives the pip command."""
+
+
+class UnsupportedDtypeError(WeightvaultError, TypeError):
+    """A value's dtype has no safetensors name (for example ``complex128`` or ``object``).
+
+    One class for every adapter: ``weightvault.torch.UnsupportedDtypeError`` and
+    ``weightvault.numpy.UnsupportedDtypeError`` are this class.
+    """

@@ -14,14 +14,13 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ._dtypes import ITEMSIZE, numel
+from ._dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
 from ._errors import FormatError
 
 #: Largest header we parse. safetensors uses the same bound; a real header of a
 #: 100k-tensor model is a few MB.
 MAX_HEADER_BYTES = 100_000_000
 #: More dimensions than any framework supports is a sign of a crafted file.
-MAX_DIMS = 64
 METADATA_KEY = "__metadata__"
 
 
@@ -185,18 +184,6 @@ def _tensor_info(name: str, entry: Any, data_size: int, where: str) -> TensorInf
             f"data_offsets span {end - start}"
         )
     return TensorInfo(name, dtype, tuple(shape), start, end)
-
-
-def fits_int64(shape: list[int] | tuple[int, ...], itemsize: int) -> bool:
-    """Whether frameworks can hold ``shape``: its size, zeros ignored, fits in int64 bytes.
-
-    A zero-size tensor with huge other dimensions needs no bytes, but frameworks still
-    compute its strides and overflow; refusing it here keeps that a FormatError.
-    """
-    n = itemsize
-    for d in shape:
-        n *= max(d, 1)
-    return n < 2**63
 
 
 def _check_layout(tensors: dict[str, TensorInfo], data_size: int, where: str) -> None:

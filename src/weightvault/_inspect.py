@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from ._dtypes import describe, numel
 from ._errors import FormatError
 from ._manifest import FORMAT_VERSION
+from ._open import open_checkpoint, opened
 from ._plan import same_bytes
-from ._reader import Checkpoint, materialize_limit, open_checkpoint, opened
+from ._reader import Checkpoint, materialize_limit
 from ._training import is_training
 
 PathLike = str | os.PathLike[str] | Checkpoint
@@ -112,8 +113,11 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
     )
 
 
-def inspect(path: PathLike) -> Inspection:
+def inspect(path: PathLike | Checkpoint) -> Inspection:
     """Describe a checkpoint from its header, without reading tensor bytes.
+
+    An open :class:`Checkpoint` (a vault's, for example) is described as it is, and
+    stays open.
 
     Example:
         >>> info = inspect("model.safetensors")

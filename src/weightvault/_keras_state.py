@@ -29,6 +29,7 @@ import numpy as np
 
 from . import _rules, _training
 from ._errors import WeightvaultError
+from ._keras_walk import _BY_NUMPY, NAMES, _base, _dtype_name, _walk
 from ._match import RulesArg
 from ._plan import Source
 from ._reader import Checkpoint
@@ -40,15 +41,11 @@ _NOT_HYPER = frozenset({"name"})
 
 
 def _dtype(name: str, value: Any) -> str:
-    from .keras import _dtype_name
-
     return _dtype_name(name, str(value.dtype))
 
 
 def _array_source(name: str, arr: Any) -> Source:
     """A training-state tensor as a source, from a private numpy copy taken now."""
-    from .keras import _BY_NUMPY
-
     arr = np.array(arr, copy=True, order="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
     dtype = _BY_NUMPY.get(arr.dtype)
     if dtype is None:
@@ -97,8 +94,6 @@ def slots(optimizer: Any) -> dict[int, dict[str, Any]]:
 
 
 def _names(model: Any) -> dict[int, list[str]]:
-    from .keras import _walk
-
     out: dict[int, list[str]] = {}
     for v in _walk(model):
         out.setdefault(id(v.variable), []).append(v.name)
@@ -227,8 +222,6 @@ def _stored(ckpt: Checkpoint, name: str) -> str | None:
 
 def _read(ckpt: Checkpoint, name: str, like: Any, needed: list[str], what: str) -> Any:
     """A private array of stored training tensor ``name``, checked against ``like``."""
-    from .keras import NAMES, _base
-
     where = ckpt.path
     stored = _stored(ckpt, name) if isinstance(name, str) else None
     if stored is None:

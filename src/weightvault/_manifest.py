@@ -25,9 +25,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._dtypes import ITEMSIZE, numel
+from ._dtypes import ITEMSIZE, MAX_DIMS, fits_int64, span
 from ._errors import FormatError
-from ._header import TensorInfo, check_unicode, fits_int64
+from ._header import TensorInfo, check_unicode
 
 MANIFEST_KEY = "weightvault"
 FORMAT_VERSION = 1
@@ -54,10 +54,7 @@ class View:
 
     def span(self) -> int:
         """Bytes from ``offset`` to one past the last element (0 when empty)."""
-        if numel(self.shape) == 0:
-            return 0
-        last = sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
-        return (last + 1) * ITEMSIZE[self.dtype]
+        return span(self.dtype, self.shape, self.stride)
 
 
 @dataclass
@@ -205,7 +202,7 @@ def _view(name: str, value: Any, where: str) -> View:
             and dtype in ITEMSIZE
             and isinstance(shape, list)
             and isinstance(stride, list)
-            and len(shape) == len(stride) <= 64
+            and len(shape) == len(stride) <= MAX_DIMS
             and all(
                 isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
                 for d in [*shape, *stride, offset]

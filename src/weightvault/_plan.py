@@ -26,7 +26,7 @@ from typing import Any
 
 import xxhash
 
-from ._dtypes import ITEMSIZE, numel
+from ._dtypes import ITEMSIZE, contiguous, numel, span
 from ._manifest import CHECKSUM_ALGORITHM, INTERNAL_PREFIX, Manifest, View
 
 Bytes = Callable[[], memoryview]
@@ -66,18 +66,10 @@ class Source:
 
     def span(self) -> tuple[int, int]:
         """Byte range ``[start, end)`` of ``storage`` that this tensor reads."""
-        if numel(self.shape) == 0:
-            return (self.offset, self.offset)
-        last = sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
-        return (self.offset, self.offset + (last + 1) * ITEMSIZE[self.dtype])
+        return (self.offset, self.offset + span(self.dtype, self.shape, self.stride))
 
     def contiguous(self) -> bool:
-        expected = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=True):
-            if size != 1 and st != expected:
-                return False
-            expected *= size
-        return True
+        return contiguous(self.shape, self.stride)
 
 
 @dataclass

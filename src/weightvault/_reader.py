@@ -13,7 +13,7 @@ import dataclasses
 import io
 import mmap
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Self
@@ -56,7 +56,15 @@ class Entry:
 class Checkpoint:
     """Names, manifest and bytes of one checkpoint, however it is kept.
 
-    Subclasses provide :meth:`raw` and, if they can, :meth:`check`.
+    Public as ``weightvault.Checkpoint``: what :meth:`weightvault.Vault.open` and
+    :func:`weightvault.formats.open_any` return, and what every adapter's ``load``
+    accepts in place of a path. Subclasses provide :meth:`raw` and, if they can,
+    :meth:`check`.
+
+    Example:
+        >>> with weightvault.formats.open_any("model-0000.params") as ckpt:
+        ...     isinstance(ckpt, weightvault.Checkpoint), ckpt.container
+        (True, 'mxnet')
     """
 
     def __init__(self, path: str, stored: dict[str, TensorInfo], manifest: Manifest) -> None:
@@ -349,34 +357,3 @@ def read_fully(fd: int, buffer: memoryview, offset: int, where: str, name: str) 
         if n == 0:
             raise FormatError(f"{where}: tensor {name!r}: the file ended before its bytes did")
         view, offset = view[n:], offset + n
-
-
-@contextlib.contextmanager
-def opened(path: str | os.PathLike[str] | Checkpoint) -> Iterator[Checkpoint]:
-    """Open ``path`` for the ``with`` block; a :class:`Checkpoint` passed in stays open."""
-    ckpt = open_checkpoint(path)
-    try:
-        yield ckpt
-    finally:
-        if ckpt is not path:
-            ckpt.close()
-
-
-def open_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
-    """Open ``path`` (or pass a :class:`Checkpoint` through).
-
-    Raises:
-        FormatError: The file is not a valid checkpoint.
-    """
-    if isinstance(path, Checkpoint):
-        return path
-    try:
-        # Foreign formats are recognised by their first bytes; anything else, malformed
-        # safetensors included, goes to the safetensors reader for its precise errors.
-        from .formats import FOREIGN, detect, open_any
-
-        if detect(path) in FOREIGN:
-            return open_any(path)
-        return SafetensorsFile(path)
-    except IsADirectoryError as e:
-        raise FormatError(f"{os.fspath(path)}: is a directory, not a checkpoint file") from e

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -254,7 +253,3 @@ def open_store(root: str | os.PathLike[str], **storage_options: Any) -> Store:
     if text.startswith("file://"):
         return LocalStore(text[len("file://") :])
     return FsspecStore(text, **storage_options)
-
-
-def now() -> float:
-    return time.time()

@@ -19,8 +19,8 @@ from ._match import RulesArg
 from ._plan import Source
 from ._reader import Checkpoint
 from ._reports import LoadReport
+from ._torch_tensors import _base, _bytes, _dtype_name
 from ._training import RNG_PREFIX, TrainingStateError
-from .torch import _base, _bytes, _dtype_name
 
 Optimizer = torch.optim.Optimizer
 Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler, or anything with state_dict()

@@ -4,23 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._dtypes import numpy_dtype
 from ._reader import Checkpoint
-
-_NUMPY = {
-    "BOOL": "?",
-    "U8": "<u1",
-    "I8": "<i1",
-    "I16": "<i2",
-    "U16": "<u2",
-    "F16": "<f2",
-    "I32": "<i4",
-    "U32": "<u4",
-    "F32": "<f4",
-    "I64": "<i8",
-    "U64": "<u8",
-    "F64": "<f8",
-    "C64": "<c8",
-}
 
 
 def _f8_table(np: Any, exp_bits: int, man_bits: int, bias: int, fn: bool, uz: bool = False) -> Any:
@@ -65,7 +50,7 @@ def as_numpy(ckpt: Checkpoint, name: str) -> Any:
     elif dtype == "F8_E8M0":
         flat = np.where(raw == 255, np.nan, np.exp2(raw.astype(np.float64) - 127))
     else:
-        flat = raw.view(_NUMPY[dtype])
+        flat = raw.view(numpy_dtype(dtype))
     if e.view is None:
         return flat.reshape(e.shape)
     item = flat.itemsize

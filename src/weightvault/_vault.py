@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import importlib
 import json
 import logging
 import math
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import blake3
 import xxhash
 
+from ._adapters import adapter_for
 from ._background import SaveHandle
 from ._convert import rewrite
 from ._errors import (
@@ -413,7 +413,15 @@ def _open_record(
     if doc.get("kind") == "dcp":
         from ._dcp_record import DcpCheckpoint
 
-        return DcpCheckpoint(store, name, doc)
+        where = f"{store.url}/checkpoints/{name}.json"
+        return DcpCheckpoint(
+            store,
+            name,
+            doc,
+            record=_record(name, doc, where),
+            data_size=_data_size,
+            content_hash=content_hash,
+        )
     return VaultCheckpoint(store, name, doc)
 
 
@@ -490,28 +498,6 @@ def _record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRecord:
     )
 
 
-def _adapter(model: Any) -> Any:
-    """The adapter module for ``model``'s framework, imported only when needed."""
-    kinds = [c.__module__.split(".")[0] for c in type(model).__mro__]
-    if isinstance(model, Mapping) and model:
-        first = next(iter(model.values()))
-        while isinstance(first, Mapping) and first:  # a nested pytree: look at its arrays
-            first = next(iter(first.values()))
-        kinds = [type(first).__module__.split(".")[0]]
-    # Keras first: on KERAS_BACKEND=torch a Keras model is also a torch.nn.Module.
-    for framework, module in (
-        ("keras", "weightvault.keras"),
-        ("torch", "weightvault.torch"),
-        *((name, "weightvault.jax") for name in ("flax", "equinox", "jax", "jaxlib")),
-    ):
-        if framework in kinds:
-            return importlib.import_module(module)
-    raise TypeError(
-        f"the vault does not know how to save a {type(model).__name__}; pass a PyTorch "
-        "nn.Module, a Keras model, an NNX or Equinox module, or a dict of tensors or arrays"
-    )
-
-
 class Vault:
     """A checkpoint store that keeps every distinct tensor once across checkpoints.
 
@@ -580,7 +566,9 @@ class Vault:
         written; the checksums of present ones are reused, so an unchanged byte is read once.
 
         Args:
-            model: A model of any installed adapter (a PyTorch ``nn.Module`` or tensor dict).
+            model: Anything an installed adapter owns (see :mod:`._adapters`): a PyTorch
+                ``nn.Module`` or tensor dict, a Keras model, an NNX or Equinox module or
+                pytree, or a dict of numpy arrays.
             name: The checkpoint's name; by default the next number (``000001``, ...).
             metadata: Your ``str -> str`` metadata.
             progress: Called with a byte count as tensors are hashed and written.
@@ -616,18 +604,19 @@ class Vault:
                     f"{self.url}: checkpoint {name!r} already exists; pick another name "
                     "or delete it first with vault.delete(name)"
                 )
-        adapter = _adapter(model)
+        adapter = adapter_for(model)
         training: dict[str, Any] | None = None
+        training_hook = getattr(adapter, "checkpoint_sources", None)
         if optimizer is None and scheduler is None and not rng and not background:
-            sources, _ = adapter._sources(model)
-        elif hasattr(adapter, "_checkpoint_sources"):
-            sources, _, training = adapter._checkpoint_sources(
+            sources, _ = adapter.sources(model)
+        elif training_hook is not None:
+            sources, _, training = training_hook(
                 model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=background
             )
         else:
             raise TypeError(
-                f"{adapter.__name__} cannot save optimizer, scheduler or RNG state, nor save "
-                "in the background, yet; save the model alone"
+                f"{adapter.FRAMEWORK} models: the vault cannot save optimizer, scheduler or "
+                "RNG state, nor save in the background, yet; save the model alone"
             )
         # Refused now (not in a background thread, nor when the checkpoint is exported to a
         # single file).
@@ -996,7 +985,7 @@ class Vault:
             What the adapter's ``load`` returns: a :class:`LoadReport` for PyTorch and
             Keras, ``(model, report)`` for JAX (pytrees come back as new objects).
         """
-        adapter = _adapter(model)
+        adapter = adapter_for(model)
         self._settle()  # "latest" includes a background save still being written
         with self.open(name) as ckpt:
             return adapter.load(model, ckpt, verify=verify, **options)

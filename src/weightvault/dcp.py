@@ -74,8 +74,8 @@ from torch.futures import Future
 from ._dcp_record import KIND, model_header, object_key, parse_tensors
 from ._dtypes import ITEMSIZE
 from ._errors import CheckpointExistsError, FormatError, WeightvaultError
+from ._torch_tensors import DTYPES, NAMES, _bytes
 from ._vault import VERSION, CheckpointRecord, Vault, _record, check_name, content_hash
-from .torch import DTYPES, NAMES, _bytes
 
 __all__ = [
     "ReadStats",

@@ -39,11 +39,16 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._errors import BackendNotInstalled, WeightvaultError, capped
+from ._dtypes import ITEMSIZE, numpy_dtype, unsupported
+from ._errors import (
+    BackendNotInstalled,
+    UnsupportedDtypeError as UnsupportedDtypeError,
+    WeightvaultError,
+)
 
 try:
     import jax
-    import ml_dtypes
+    import ml_dtypes  # noqa: F401 - the dtype table below needs it (bf16, fp8)
     import numpy as np
 except ImportError as e:  # pragma: no cover - exercised only without jax
     raise BackendNotInstalled("weightvault.jax needs JAX: pip install 'weightvault[jax]'") from e
@@ -57,8 +62,9 @@ except ImportError:  # pragma: no cover - pytrees and Equinox work without Flax
 
 from . import _rules, _transforms, _writer
 from ._match import RulesArg, Target, plan_load
+from ._open import opened
 from ._plan import Source
-from ._reader import Checkpoint, Entry, opened
+from ._reader import Checkpoint, Entry
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
@@ -74,32 +80,8 @@ Source_ = PathLike | Checkpoint
 T = TypeVar("T")
 
 #: safetensors dtype name -> numpy dtype (``ml_dtypes``, a JAX dependency, for bf16/fp8).
-DTYPES: dict[str, Any] = {
-    "BOOL": np.dtype(bool),
-    "U8": np.dtype("<u1"),
-    "I8": np.dtype("<i1"),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
-    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
-    "I16": np.dtype("<i2"),
-    "U16": np.dtype("<u2"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I32": np.dtype("<i4"),
-    "U32": np.dtype("<u4"),
-    "F32": np.dtype("<f4"),
-    "I64": np.dtype("<i8"),
-    "U64": np.dtype("<u8"),
-    "F64": np.dtype("<f8"),
-    "C64": np.dtype("<c8"),
-}
+DTYPES: dict[str, Any] = {k: numpy_dtype(k) for k in ITEMSIZE}
 NAMES: dict[Any, str] = {v: k for k, v in DTYPES.items()}
-
-
-class UnsupportedDtypeError(WeightvaultError, TypeError):
-    """An array's dtype has no safetensors name (``complex128``, PRNG key arrays, ...)."""
 
 
 @dataclass
@@ -126,10 +108,10 @@ def _dtype_name(name: str, value: Any) -> str:
     try:
         return NAMES[np.dtype(value.dtype)]
     except (KeyError, TypeError):
-        raise UnsupportedDtypeError(
-            f"array {name!r} has dtype {value.dtype}, which safetensors cannot store; convert "
-            f"it first (PRNG keys with jax.random.key_data, others with .astype). Supported: "
-            f"{capped([str(d) for d in DTYPES.values()], 20)}"
+        raise unsupported(
+            f"array {name!r}",
+            value.dtype,
+            "jax.random.key_data for PRNG keys, .astype for others",
         ) from None
 
 
@@ -596,3 +578,16 @@ def trainable(obj: Any) -> Any:
     for leaf in leaves:
         mask[leaf.index] = leaf.name not in frozen
     return jax.tree_util.tree_unflatten(treedef, mask)
+
+
+# -- the adapter contract (weightvault._adapters.Adapter), used by the vault --------------
+
+
+def owns(obj: Any) -> bool:
+    """Whether ``obj`` is an NNX module, or a pytree (Equinox modules included) of arrays."""
+    return _is_nnx(obj) or any(_is_array(x) for x in jax.tree_util.tree_leaves(obj))
+
+
+def sources(obj: Any) -> tuple[list[Source], list[str]]:
+    """``(sources, skipped)`` of a module or pytree, as :func:`save` would store them."""
+    return _sources(obj)

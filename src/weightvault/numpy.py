@@ -18,7 +18,12 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from ._errors import BackendNotInstalled, UnsupportedValueError, WeightvaultError, capped
+from ._dtypes import FRAMEWORK_NAMES, NUMPY_NATIVE, numpy_dtype, unsupported
+from ._errors import (
+    BackendNotInstalled,
+    UnsupportedDtypeError as UnsupportedDtypeError,
+    UnsupportedValueError,
+)
 
 try:
     import numpy as np
@@ -29,44 +34,22 @@ except ImportError as e:  # pragma: no cover - exercised only without numpy
 
 from . import _writer
 from ._match import RulesArg, Target, plan_load
+from ._open import opened
 from ._plan import Source
-from ._reader import Checkpoint, Entry, opened
+from ._reader import Checkpoint, Entry
 from ._reports import LoadReport, SaveReport
 
 __all__ = ["load", "load_file", "save"]
 
+#: The ``"format"`` written into ``__metadata__``.
+FRAMEWORK = "np"
+
 PathLike = str | os.PathLike[str]
 Source_ = PathLike | Checkpoint
 
-#: Dtypes numpy has natively, by safetensors name.
-NATIVE = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F64": "float64",
-    "C64": "complex64",
-}
-#: Dtypes that need ``ml_dtypes``, by safetensors name.
-ML_DTYPES = {
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-}
-
-
-class UnsupportedDtypeError(WeightvaultError, TypeError):
-    """An array's dtype has no safetensors name (for example ``object`` or ``float128``)."""
+#: Dtypes numpy has natively, and those that need ``ml_dtypes``, by safetensors name.
+NATIVE = {k: FRAMEWORK_NAMES[k] for k in NUMPY_NATIVE}
+ML_DTYPES = {k: v for k, v in FRAMEWORK_NAMES.items() if k not in NUMPY_NATIVE}
 
 
 def dtype_of(name: str) -> Any:
@@ -76,15 +59,7 @@ def dtype_of(name: str) -> Any:
         >>> dtype_of("BF16")
         dtype(bfloat16)
     """
-    if name in NATIVE:
-        return np.dtype(NATIVE[name]).newbyteorder("<")
-    try:
-        import ml_dtypes
-    except ImportError as e:
-        raise BackendNotInstalled(
-            f"{name} arrays need ml_dtypes: pip install 'weightvault[formats]'"
-        ) from e
-    return np.dtype(getattr(ml_dtypes, ML_DTYPES[name]))
+    return numpy_dtype(name)
 
 
 def _name_of(key: str, a: np.ndarray) -> str:
@@ -98,11 +73,7 @@ def _name_of(key: str, a: np.ndarray) -> str:
     for name, ml_name in ML_DTYPES.items():
         if dt.name == ml_name:
             return name
-    raise UnsupportedDtypeError(
-        f"array {key!r} has dtype {dt}, which safetensors cannot store; convert it first, "
-        f"for example with .astype(np.float32). Supported: "
-        f"{capped([*NATIVE.values(), *ML_DTYPES.values()], 20)}"
-    )
+    raise unsupported(f"array {key!r}", dt, ".astype(np.float32)")
 
 
 def _bytes(a: np.ndarray) -> memoryview:
@@ -190,7 +161,7 @@ def save(
     return _writer.save_sources(
         path,
         [_source(k, v) for k, v in arrays.items()],
-        framework="np",
+        framework=FRAMEWORK,
         metadata=dict(metadata or {}),
         checksum=checksum,
         dedupe_copies=dedupe_copies,
@@ -316,3 +287,20 @@ def load(
             for other in others:
                 arrays[other] = arrays[keep]
     return lp.report
+
+
+# -- the adapter contract (weightvault._adapters.Adapter), used by the vault --------------
+
+
+def owns(obj: Any) -> bool:
+    """Whether ``obj`` is a flat dict of numpy arrays."""
+    return (
+        isinstance(obj, Mapping)
+        and bool(obj)
+        and all(isinstance(v, np.ndarray) for v in obj.values())
+    )
+
+
+def sources(obj: Any) -> tuple[list[Source], list[str]]:
+    """``(sources, skipped)`` of a dict of arrays, as :func:`save` would store them."""
+    return [_source(k, v) for k, v in obj.items()], []

@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,9 +29,20 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 from . import _rules, _transforms, _writer
 from ._background import SaveHandle
 from ._match import Assignment, RulesArg, Target, plan_load
+from ._open import opened
 from ._plan import Source
-from ._reader import Checkpoint, Entry, opened
+from ._reader import Checkpoint
 from ._reports import LoadReport, SaveReport
+from ._torch_tensors import (
+    DTYPES as DTYPES,
+    NAMES,
+    UnsupportedDtypeError as UnsupportedDtypeError,
+    _base,
+    _layout_identity,
+    _read,
+    _source,
+    _value,
+)
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 
@@ -44,116 +54,6 @@ FRAMEWORK = "pt"
 
 PathLike = str | os.PathLike[str]
 Source_ = PathLike | Checkpoint
-
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-}
-NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-class UnsupportedDtypeError(WeightvaultError, TypeError):
-    """A tensor's dtype has no safetensors name (for example ``complex128``)."""
-
-
-def _dtype_name(name: str, t: torch.Tensor) -> str:
-    try:
-        return NAMES[t.dtype]
-    except KeyError:
-        raise UnsupportedDtypeError(
-            f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; "
-            f"convert it first, for example with .to(torch.float32). Supported: "
-            f"{capped([str(d) for d in DTYPES.values()], 20)}"
-        ) from None
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    flat = t.reshape(-1)
-    if flat.stride() != (1,):
-        # contiguous() keeps an odd stride on size-1 dimensions, which view() refuses.
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-def _region(t: torch.Tensor) -> Any:
-    def region(start: int, end: int) -> memoryview:
-        storage = t.untyped_storage()
-        if storage.device.type != "cpu":
-            storage = storage.cpu()  # type: ignore[no-untyped-call]
-        u8 = torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,), (1,))
-        return memoryview(u8.numpy())  # type: ignore[arg-type]
-
-    return region
-
-
-def _source(
-    name: str, t: torch.Tensor, identity: Any, frozen: bool, twin: torch.Tensor | None = None
-) -> Source:
-    """A source for ``t``; with ``twin`` (a snapshot of ``t``), bytes are read from it."""
-    dtype = _dtype_name(name, t)
-    live, t = t, t if twin is None else twin
-    if t.numel() == 0 or t.device.type == "meta":
-        if t.device.type == "meta":
-            raise WeightvaultError(
-                f"tensor {name!r} is on the meta device and has no data; materialize the "
-                "model (for example with model.to_empty(device='cpu')) before saving"
-            )
-        return Source(name, dtype, tuple(t.shape), identity, lambda: _bytes(t), frozen)
-    size = t.element_size()
-    # Keys come from the live tensor, so a snapshot plans the same ties and views.
-    storage = (str(live.device), live.untyped_storage().data_ptr())
-    return Source(
-        name,
-        dtype,
-        tuple(t.shape),
-        identity,
-        lambda: _bytes(t),
-        frozen,
-        storage=storage,
-        offset=int(t.storage_offset()) * size,
-        stride=tuple(t.stride()),
-        region=_region(t),
-    )
-
-
-def _layout_identity(t: torch.Tensor) -> Any:
-    if t.numel() == 0:
-        return ("object", id(t))
-    # A lazily conjugated or negated tensor shares memory and layout with its source but
-    # reads different values, so the flags are part of what makes two names one tensor.
-    return (
-        str(t.device),
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        tuple(t.stride()),
-        t.dtype,
-        t.is_conj(),
-        t.is_neg(),
-    )
 
 
 def _check_value(name: str, value: Any) -> None:
@@ -222,7 +122,7 @@ def _sources(
     return sources, skipped
 
 
-def _checkpoint_sources(
+def checkpoint_sources(
     obj: nn.Module | Mapping[str, torch.Tensor],
     *,
     optimizer: torch.optim.Optimizer | None = None,
@@ -296,7 +196,7 @@ def save(
     if _pending is not None:
         _pending.settle()  # one save at a time, in order
         _pending = None
-    sources, skipped, training = _checkpoint_sources(
+    sources, skipped, training = checkpoint_sources(
         obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=background
     )
 
@@ -320,45 +220,6 @@ def save(
 
 #: The last background file save; the next save waits for it.
 _pending: SaveHandle[SaveReport] | None = None
-
-
-def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
-    info = ckpt.stored[stored]
-    dtype = DTYPES[info.dtype]
-    if info.nbytes == 0:
-        return torch.empty(info.shape, dtype=dtype)
-    if not mmap:
-        # A private copy read with preadv: a file truncated meanwhile is a FormatError,
-        # where copying out of the map would die of SIGBUS.
-        flat = torch.frombuffer(ckpt.read(stored), dtype=torch.uint8)
-        return flat.view(dtype).reshape(info.shape)
-    data = ckpt.raw(stored)
-    if data.readonly:
-        # Read-only memory (decoded foreign formats) can back no tensor safely: copy it.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=torch.uint8).clone()
-    else:
-        flat = torch.frombuffer(data, dtype=torch.uint8)
-    return flat.view(dtype).reshape(info.shape)
-
-
-def _value(ckpt: Checkpoint, e: Entry, base: torch.Tensor) -> torch.Tensor:
-    if e.view is None:
-        return base
-    v = e.view
-    flat = base.reshape(-1).view(torch.uint8)
-    sub = flat[v.offset : v.offset + max(v.span(), 0)].view(DTYPES[v.dtype])
-    if sub.numel() == 0:
-        return torch.empty(v.shape, dtype=DTYPES[v.dtype])
-    return sub.as_strided(v.shape, v.stride)
-
-
-def _read(ckpt: Checkpoint, name: str, *, mmap: bool = True) -> torch.Tensor:
-    """A tensor for any name (stored, alias, copy, view): over the file mapping, or with
-    ``mmap=False`` over a private copy of its stored tensor read with ``preadv``."""
-    e = ckpt.entry(name)
-    return _value(ckpt, e, _base(ckpt, e.stored, mmap=mmap))
 
 
 def load_file(
@@ -714,3 +575,18 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
         >>> opt = torch.optim.AdamW(trainable(model), lr=1e-4, weight_decay=0.1)
     """
     return [p for p in model.parameters() if p.requires_grad]
+
+
+# -- the adapter contract (weightvault._adapters.Adapter), used by the vault --------------
+
+
+def owns(obj: Any) -> bool:
+    """Whether ``obj`` is an ``nn.Module`` or a dict holding torch tensors."""
+    if isinstance(obj, Mapping):
+        return any(isinstance(v, torch.Tensor) for v in obj.values())
+    return isinstance(obj, nn.Module)
+
+
+def sources(obj: Any) -> tuple[list[Source], list[str]]:
+    """``(sources, skipped)`` of a module or tensor dict, as :func:`save` would store them."""
+    return _sources(obj)

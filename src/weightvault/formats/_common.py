@@ -18,19 +18,14 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .._dtypes import ITEMSIZE, numel
+from .._dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
 from .._errors import BackendNotInstalled, FormatError, WeightvaultError
 from .._manifest import Manifest
 from .._plan import Source, plan
 from .._reader import MemoryCheckpoint
 
-#: More dimensions than any framework supports is a sign of a crafted file.
-MAX_DIMS = 64
 #: The pip command that installs what the readers need.
 PIP_FORMATS = "pip install 'weightvault[formats]'"
-#: A shape's size, zero dimensions counted as 1, times the item size must fit in int64,
-#: or frameworks overflow computing strides even for a zero-size array.
-MAX_EXTENT = (1 << 63) - 1
 #: What the libraries a reader calls (zipfile, zlib, struct, pickle, h5py, torch) raise on
 #: a damaged file; :func:`decoding` turns each into a FormatError naming the file.
 DAMAGE = (
@@ -204,10 +199,7 @@ def check_tensor(where: str, name: str, dtype: str, shape: tuple[int, ...]) -> N
             f"{where}: array {name[:80]!r} has a name that is not valid Unicode (a lone "
             "surrogate); the file is damaged, or rename the array and save it again"
         ) from None
-    extent = ITEMSIZE[dtype]
-    for d in shape:
-        extent *= max(d, 1)
-    if extent > MAX_EXTENT:
+    if not fits_int64(shape, ITEMSIZE[dtype]):
         raise FormatError(
             f"{where}: array {name[:80]!r} has shape {str(list(shape))[:80]}, whose extent "
             f"overflows 64 bits even though it may hold no elements; the file is damaged"

@@ -20,13 +20,13 @@ import mmap
 import os
 import struct
 
-from .._dtypes import ITEMSIZE, numel
+from .._detect import MXNET_LIST_MAGIC as LIST_MAGIC
+from .._dtypes import ITEMSIZE, MAX_DIMS, numel
 from .._errors import FormatError
 from .._limits import DecodeBudget
 from .._plan import Source
-from ._common import MAX_DIMS, ForeignCheckpoint, build, decoding, map_file, plain
+from ._common import ForeignCheckpoint, build, decoding, map_file, plain
 
-LIST_MAGIC = 0x112
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 #: mshadow type flags -> safetensors dtype names (seed-systems.md §2.4).
 DTYPES = {
@@ -104,11 +104,6 @@ class _Array:
     ) -> None:
         self.index, self.stype, self.dtype, self.shape = index, stype, dtype, shape
         self.data, self.aux = data, aux
-
-
-def is_mxnet(head: bytes) -> bool:
-    """Whether the first 16 bytes are an NDArray list header (magic, then reserved 0)."""
-    return len(head) >= 16 and struct.unpack("<QQ", head[:16]) == (LIST_MAGIC, 0)
 
 
 def open_mxnet(

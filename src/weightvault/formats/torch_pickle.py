@@ -39,7 +39,7 @@ import zipfile
 from collections.abc import Hashable
 from typing import Any
 
-from .._dtypes import ITEMSIZE, numel
+from .._dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, contiguous, numel
 from .._errors import FormatError, capped
 from .._limits import DecodeBudget
 from .._plan import Source
@@ -67,25 +67,7 @@ STORAGES = {
     "ComplexFloatStorage": "C64",
 }
 #: ``torch.<dtype>`` globals that ``_rebuild_tensor_v3`` receives -> dtype names.
-TORCH_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "bool": "BOOL",
-    "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e8m0fnu": "F8_E8M0",
-}
+TORCH_DTYPES = BY_FRAMEWORK_NAME
 REBUILDERS = frozenset(
     {
         "_rebuild_tensor",
@@ -413,7 +395,7 @@ def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignC
     import torch
     from torch import nn
 
-    from ..torch import _layout_identity, _source
+    from .._torch_tensors import _layout_identity, _source
 
     if is_zip:
         _validate_zip(where, budget.requested)
@@ -636,7 +618,7 @@ def _open_without_torch(where: str, budget: DecodeBudget) -> ForeignCheckpoint:
     obj = _unpickle_zip(where, memoryview(mm), budget)
     tensors = _tensors(obj, where, lambda v: isinstance(v, _Tensor), budget)
     for name, t in tensors.items():
-        if not _contiguous(t.shape, t.stride):
+        if not contiguous(t.shape, t.stride):
             _charge_strided(budget, name, numel(t.shape) * ITEMSIZE[t.dtype])
     return build(where, [_source(n, t) for n, t in tensors.items()], "pt", keep=mm)
 
@@ -666,10 +648,10 @@ def _source(name: str, t: _Tensor) -> Source:
     offset = t.offset * size
     base = t.storage.data
     identity: Hashable = (t.storage.key, offset, t.shape, t.stride, t.dtype)
-    contiguous = _contiguous(t.shape, t.stride)
+    dense = contiguous(t.shape, t.stride)
 
     def data() -> memoryview:
-        if contiguous:
+        if dense:
             return base[offset : offset + numel(t.shape) * size]
         return strided(base, t.dtype, t.shape, t.stride, offset)
 
@@ -687,12 +669,3 @@ def _source(name: str, t: _Tensor) -> Source:
         stride=t.stride,
         region=lambda s, e: base[s:e],
     )
-
-
-def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for n, st in zip(reversed(shape), reversed(stride), strict=True):
-        if n != 1 and st != expected:
-            return False
-        expected *= n
-    return True

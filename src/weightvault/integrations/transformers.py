@@ -37,8 +37,9 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     ) from e
 
 from .. import _training
+from .._torch_tensors import _base
 from .._vault import Vault
-from ..torch import _base, load_file as _load_file, save as _save
+from ..torch import load_file as _load_file, save as _save
 
 __all__ = ["VaultCallback", "checkout", "resume"]
 

@@ -1,0 +1,174 @@
+"""The package's import graph has no cycle, and no module imports one of a higher layer.
+
+The graph is read from the source with :mod:`ast`, function-level imports included, so a
+lazy ``from .x import y`` inside a function counts as much as one at the top. The layers
+are those drawn in docs/architecture.md; a new module must be given one here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "weightvault"
+
+#: Lowest first. A module may import its own layer (acyclically) and any layer below.
+LAYERS: list[tuple[str, set[str]]] = [
+    (
+        "base",
+        {"_errors", "_dtypes", "_atomic", "_progress", "_reports", "_background", "_limits"},
+    ),
+    ("format core", {"_header", "_manifest", "_plan", "_detect", "_rules", "rules"}),
+    (
+        "reading and writing",
+        {"_reader", "_writer", "_training", "_values", "_store", "_transforms"},
+    ),
+    ("policy", {"_match"}),
+    ("framework internals", {"_torch_tensors", "_keras_internals"}),
+    ("framework walks", {"_keras_walk"}),
+    (
+        "foreign readers",
+        {
+            "formats._common",
+            "formats.keras_h5",
+            "formats.mxnet",
+            "formats.npz",
+            "formats.torch_pickle",
+        },
+    ),
+    ("opener", {"_open", "formats"}),
+    ("services", {"_inspect", "_convert", "_torch_state", "_keras_state", "_dcp_record"}),
+    ("adapters", {"torch", "keras", "numpy", "jax"}),
+    ("vault", {"_adapters", "_vault"}),
+    (
+        "distributed and training loops",
+        {
+            "dcp",
+            "integrations",
+            "integrations.keras",
+            "integrations.lightning",
+            "integrations.transformers",
+        },
+    ),
+    ("facade", {""}),
+    ("command line", {"_cli_common", "_cli_convert", "_cli_vault", "_cli"}),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _resolve(package: list[str], node: ast.ImportFrom, modules: set[str]) -> set[str]:
+    """The package modules ``node`` imports (``from . import x`` imports module ``x``)."""
+    if node.level == 0:
+        if not (node.module or "").startswith("weightvault"):
+            return set()
+        base = (node.module or "").split(".")[1:]
+    else:
+        base = package[: len(package) - (node.level - 1)] + (
+            node.module.split(".") if node.module else []
+        )
+    found = set()
+    for alias in node.names:
+        sub = ".".join([*base, alias.name])
+        if sub in modules:
+            found.add(sub)
+        elif ".".join(base) in modules:
+            found.add(".".join(base))  # a name defined in the module (or package) itself
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: modules it imports}``, names relative to ``weightvault`` (``""`` is it)."""
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    modules = set(files)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        parts = name.split(".") if name else []
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                deps |= _resolve(package, node, modules)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("weightvault."):
+                        sub = alias.name.split(".", 1)[1]
+                        if sub in modules:
+                            deps.add(sub)
+        graph[name] = deps - {name}
+    return graph
+
+
+def _layer_of() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i, (_, members) in enumerate(LAYERS):
+        for m in members:
+            assert m not in out, f"{m!r} is in two layers"
+            out[m] = i
+    return out
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = sorted(set(import_graph()) - set(_layer_of()))
+    assert not missing, f"give these modules a layer in LAYERS: {missing}"
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    layer = _layer_of()
+    bad = [
+        f"{m or 'weightvault'} ({LAYERS[layer[m]][0]}) imports {d} ({LAYERS[layer[d]][0]})"
+        for m, deps in import_graph().items()
+        for d in sorted(deps)
+        if m in layer and d in layer and layer[d] > layer[m]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append([*stack[stack.index(d) :], d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from . import _a, _b", {"_a", "_b"}),
+        ("def f():\n    from ._a import x", {"_a"}),
+        ("from .formats.mxnet import open_mxnet", {"formats.mxnet"}),
+        ("from . import __version__", {""}),
+    ],
+)
+def test_the_walk_sees_lazy_and_package_imports(source: str, expected: set[str]) -> None:
+    # The walk itself must find what a cycle would be made of, or the tests above prove
+    # nothing.
+    modules = {"", "_a", "_b", "formats", "formats.mxnet"}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            found |= _resolve([], node, modules)
+    assert found == expected
