@@ -27,6 +27,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [src, env.get("PYTHONPATH")] if p)
+    # Another test may have changed this process's torch threads (set_num_threads
+    # persists): the worker takes the count this process has now.
+    env["WEIGHTVAULT_TEST_THREADS"] = str(torch.get_num_threads())
     return env
 
 
