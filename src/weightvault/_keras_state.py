@@ -21,20 +21,25 @@ layer order) and, on the PyTorch backend, torch's CPU generator.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 import numpy as np
 
-from . import _rules, _training
+from . import _training
 from ._errors import WeightvaultError
 from ._keras_walk import _BY_NUMPY, NAMES, _base, _dtype_name, _walk
 from ._match import RulesArg
 from ._plan import Source
 from ._reader import Checkpoint
-from ._reports import LoadReport
-from ._training import RNG_PREFIX, TrainingStateError, UnsupportedStateError
+from ._training import (
+    RNG_PREFIX,
+    Prepared,
+    TrainingStateError,
+    UnsupportedStateError,
+    rename_for as _rename,
+    stored_name as _stored,
+)
 
 #: Configuration keys that are no hyperparameter: a name says nothing about the training.
 _NOT_HYPER = frozenset({"name"})
@@ -187,37 +192,6 @@ def training_sources(
             sources.append(_array_source(r["torch"], torch.get_rng_state().numpy()))
         doc["rng"] = r
     return sources, doc
-
-
-@dataclass
-class Prepared:
-    """Training state read and checked, ready to be applied after the weights."""
-
-    steps: list[Callable[[], None]] = field(default_factory=list)
-    restored: list[str] = field(default_factory=list)
-    optimizer: Any = None
-
-    def apply(self, report: LoadReport) -> None:
-        for step in self.steps:
-            step()
-        report.optimizer = self.optimizer
-        report.restored = list(self.restored)
-
-
-def _rename(rules: RulesArg, renamed: list[tuple[str, str]]) -> _training.Rename:
-    if rules == "auto":
-        moved = dict(renamed)
-        return lambda n: moved.get(n, n)
-    checked = _rules.check(rules)
-    return lambda n: _rules.rename(checked, n)
-
-
-def _stored(ckpt: Checkpoint, name: str) -> str | None:
-    """The stored tensor that holds ``name`` whole: itself, or what it aliases or copies."""
-    m = ckpt.manifest
-    alias = m.aliases.get(name, name)
-    stored = m.copies.get(alias, alias)
-    return stored if stored in ckpt.stored else None
 
 
 def _read(ckpt: Checkpoint, name: str, like: Any, needed: list[str], what: str) -> Any:

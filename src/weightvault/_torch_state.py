@@ -7,20 +7,24 @@ this module reads them out of ``torch.optim`` objects and writes them back.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _rules, _training
+from . import _training
 from ._errors import WeightvaultError
 from ._match import RulesArg
 from ._plan import Source
 from ._reader import Checkpoint
-from ._reports import LoadReport
 from ._torch_tensors import _base, _bytes, _dtype_name
-from ._training import RNG_PREFIX, TrainingStateError
+from ._training import (
+    RNG_PREFIX,
+    Prepared,
+    TrainingStateError,
+    rename_for as _rename,
+    stored_name as _stored,
+)
 
 Optimizer = torch.optim.Optimizer
 Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler, or anything with state_dict()
@@ -120,42 +124,11 @@ def training_sources(
     return sources, doc
 
 
-@dataclass
-class Prepared:
-    """Training state read and checked, ready to be applied after the weights."""
-
-    steps: list[Callable[[], None]] = field(default_factory=list)
-    restored: list[str] = field(default_factory=list)
-    optimizer: Any = None
-
-    def apply(self, report: LoadReport) -> None:
-        for step in self.steps:
-            step()
-        report.optimizer = self.optimizer
-        report.restored = list(self.restored)
-
-
-def _rename(rules: RulesArg, renamed: list[tuple[str, str]]) -> _training.Rename:
-    if rules == "auto":
-        moved = dict(renamed)
-        return lambda n: moved.get(n, n)
-    checked = _rules.check(rules)
-    return lambda n: _rules.rename(checked, n)
-
-
 def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A tensor of its own (never the file mapping) for a stored training-state name."""
     stored = _stored(ckpt, name)
     assert stored is not None  # checked by _known before anything is read
     return _base(ckpt, stored, mmap=False).clone()
-
-
-def _stored(ckpt: Checkpoint, name: str) -> str | None:
-    """The stored tensor that holds ``name`` whole: itself, or what it aliases or copies."""
-    m = ckpt.manifest
-    alias = m.aliases.get(name, name)
-    stored = m.copies.get(alias, alias)
-    return stored if stored in ckpt.stored else None
 
 
 def _known(ckpt: Checkpoint) -> Callable[[str], bool]:

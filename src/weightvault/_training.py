@@ -42,10 +42,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _rules
 from ._errors import KeyMismatchError, ShapeMismatchError, WeightvaultError, capped
 from ._manifest import INTERNAL_PREFIX
 from ._plan import Plan
-from ._reports import OptimizerReport
+from ._reader import Checkpoint
+from ._reports import LoadReport, OptimizerReport
 
 #: Every training-state tensor is stored under this prefix.
 TRAINING_PREFIX = INTERNAL_PREFIX + "train/"
@@ -379,3 +381,42 @@ def plan_optimizer(
             unexpected=r.unused,
         )
     return out
+
+
+# -- what both adapters' training-state loads share ------------------------------------
+
+
+@dataclass
+class Prepared:
+    """Training state read and checked, ready to be applied after the weights."""
+
+    steps: list[Callable[[], None]] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)
+    optimizer: Any = None
+
+    def apply(self, report: LoadReport) -> None:
+        for step in self.steps:
+            step()
+        report.optimizer = self.optimizer
+        report.restored = list(self.restored)
+
+
+def rename_for(rules: Any, renamed: list[tuple[str, str]]) -> Rename:
+    """How a saved parameter name maps to the model's, by the load's ``rules``.
+
+    ``"auto"`` reuses the pairs the weights load found (``renamed``), so optimizer state
+    follows exactly the renames the weights took.
+    """
+    if rules == "auto":
+        moved = dict(renamed)
+        return lambda n: moved.get(n, n)
+    checked = _rules.check(rules)
+    return lambda n: _rules.rename(checked, n)
+
+
+def stored_name(ckpt: Checkpoint, name: str) -> str | None:
+    """The stored tensor that holds ``name`` whole: itself, or what it aliases or copies."""
+    m = ckpt.manifest
+    alias = m.aliases.get(name, name)
+    stored = m.copies.get(alias, alias)
+    return stored if stored in ckpt.stored else None
