@@ -386,3 +386,41 @@ def test_vault_export_keeps_the_training_state(tmp_path: Path) -> None:
     step(b, opt_b, 1)
     for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_background_snapshots_reuse_the_previous_buffers_without_mixing_values(
+    tmp_path: Path,
+) -> None:
+    """The second and third background saves copy into the first's buffers (no fresh
+    memory to touch), and every checkpoint still holds the values at its own call."""
+    vault = Vault(tmp_path / "v")
+    a = mlp(0)
+    opt = torch.optim.AdamW(a.parameters(), lr=0.01)
+    expected = []
+    for i in range(3):
+        step(a, opt, i)
+        expected.append(
+            (
+                {n: p.detach().clone() for n, p in a.named_parameters()},
+                opt.state[a[2].weight]["exp_avg"].clone(),
+            )
+        )
+        handle = vault.save(a, optimizer=opt, background=True)
+        if i == 0:
+            handle.wait()
+            spare = {k: list(v) for k, v in vault._snapshots._spare.items()}
+            assert spare, "the first save's buffers are kept for the next one"
+        elif i == 1:
+            # Every buffer the second snapshot needed came from the first one.
+            assert all(not v for v in vault._snapshots._spare.values())
+            lent = {id(b) for _, b in vault._snapshots._lent}
+            assert lent == {id(b) for v in spare.values() for b in v}
+        step(a, opt, 10 + i)  # at once: the snapshot, not the live tensors, is saved
+    vault._settle()
+    for i, (params, exp_avg) in enumerate(expected):
+        b = mlp(1)
+        opt_b = torch.optim.AdamW(b.parameters(), lr=0.01)
+        vault.load(b, f"00000{i + 1}", optimizer=opt_b)
+        for n, p in b.named_parameters():
+            assert torch.equal(p, params[n]), (i, n)
+        assert torch.equal(opt_b.state[b[2].weight]["exp_avg"], exp_avg), i

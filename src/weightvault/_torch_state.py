@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _training
+from ._background import SnapshotPool
 from ._errors import WeightvaultError
 from ._match import RulesArg
 from ._plan import Source
@@ -46,9 +47,23 @@ def _param_names(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[int, list[
     return out
 
 
-def _tensor_source(name: str, t: torch.Tensor, snapshot: bool) -> Source:
+def _private_copy(t: torch.Tensor, pool: SnapshotPool | None) -> torch.Tensor:
+    """A copy of ``t``, into a buffer of the previous snapshot when there is one."""
+    if pool is None:
+        return t.clone()
+    key = ("tensor", str(t.device), t.dtype, tuple(t.shape))
+    buffer = pool.take(key)
+    if buffer is None:
+        buffer = t.clone()
+    else:
+        buffer.copy_(t)
+    pool.lend(key, buffer)
+    return buffer  # type: ignore[no-any-return]
+
+
+def _tensor_source(name: str, t: torch.Tensor, snapshot: bool | SnapshotPool) -> Source:
     if snapshot:
-        t = t.detach().clone()
+        t = _private_copy(t.detach(), snapshot if isinstance(snapshot, SnapshotPool) else None)
     # No storage key: optimizer state is stored whole, never as a view of something else.
     return Source(name, _dtype_name(name, t), tuple(t.shape), ("train", name), lambda: _bytes(t))
 
@@ -59,7 +74,7 @@ def training_sources(
     optimizer: Optimizer | None,
     scheduler: Scheduler | None,
     rng: bool,
-    snapshot: bool,
+    snapshot: bool | SnapshotPool,
 ) -> tuple[list[Source], dict[str, Any] | None]:
     """The tensors and the manifest section that record the training state.
 

@@ -50,7 +50,7 @@ import blake3
 import xxhash
 
 from ._adapters import adapter_for
-from ._background import SaveHandle
+from ._background import SaveHandle, SnapshotPool
 from ._convert import rewrite
 from ._errors import (
     CheckpointExistsError,
@@ -522,6 +522,7 @@ class Vault:
         self.store = open_store(root, **storage_options)
         self.gc_wait = gc_wait
         self._pending: SaveHandle[CheckpointRecord] | None = None
+        self._snapshots = SnapshotPool()
         # {blake3 object name: xxh3 checksum} of every object this instance has seen. The
         # checksum is a function of the bytes the name is the hash of, so it never goes
         # stale, whatever gc or other writers do to the vault.
@@ -610,8 +611,12 @@ class Vault:
         if optimizer is None and scheduler is None and not rng and not background:
             sources, _ = adapter.sources(model)
         elif training_hook is not None:
+            # Torch copies into the previous snapshot's buffers; other adapters take a bool.
+            snapshot: bool | SnapshotPool = background
+            if background and adapter.FRAMEWORK == "pt":
+                snapshot = self._snapshots
             sources, _, training = training_hook(
-                model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=background
+                model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
             )
         else:
             raise TypeError(
@@ -623,10 +628,14 @@ class Vault:
         names = [s.name for s in sources if training is None or not is_training(s.name)]
         check_names(names, metadata, self.url)
         if background:
-            self._pending = SaveHandle(
-                lambda: self._save_sources(sources, training, name, adapter, metadata, progress),
-                f"vault save {name or '(next)'}",
-            )
+
+            def work() -> CheckpointRecord:
+                try:
+                    return self._save_sources(sources, training, name, adapter, metadata, progress)
+                finally:
+                    self._snapshots.release()  # read in full: the next snapshot may reuse them
+
+            self._pending = SaveHandle(work, f"vault save {name or '(next)'}")
             return self._pending
         return self._save_sources(sources, training, name, adapter, metadata, progress)
 

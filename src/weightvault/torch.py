@@ -27,7 +27,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     ) from e
 
 from . import _rules, _transforms, _writer
-from ._background import SaveHandle
+from ._background import SaveHandle, SnapshotPool
 from ._match import Assignment, RulesArg, Target, plan_load
 from ._open import opened
 from ._plan import Source
@@ -69,18 +69,34 @@ def _check_value(name: str, value: Any) -> None:
         )
 
 
-def _snapshot(t: torch.Tensor, copies: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
+def _copy_storage(storage: torch.UntypedStorage, pool: SnapshotPool | None) -> Any:
+    """A copy of ``storage``, into a buffer of the previous snapshot when there is one."""
+    if pool is None:
+        return storage.clone()  # type: ignore[no-untyped-call]
+    key = (str(storage.device), storage.nbytes())
+    buffer = pool.take(key)
+    if buffer is None:
+        buffer = storage.clone()  # type: ignore[no-untyped-call]
+    else:
+        buffer.copy_(storage)
+    pool.lend(key, buffer)
+    return buffer
+
+
+def _snapshot(
+    t: torch.Tensor, copies: dict[Any, torch.UntypedStorage], pool: SnapshotPool | None = None
+) -> torch.Tensor:
     """A tensor with ``t``'s layout over a copy of its storage (one copy per storage)."""
     storage = t.untyped_storage()
     key = (str(t.device), storage.data_ptr())
     if key not in copies:
-        copies[key] = storage.clone()  # type: ignore[no-untyped-call]
+        copies[key] = _copy_storage(storage, pool)
     twin = torch.empty(0, dtype=t.dtype, device=t.device)
     return twin.set_(copies[key], t.storage_offset(), t.shape, t.stride())
 
 
 def _sources(
-    obj: nn.Module | Mapping[str, torch.Tensor], *, snapshot: bool = False
+    obj: nn.Module | Mapping[str, torch.Tensor], *, snapshot: bool | SnapshotPool = False
 ) -> tuple[list[Source], list[str]]:
     """The model's tensors as sources; with ``snapshot``, read from copies taken now.
 
@@ -117,7 +133,8 @@ def _sources(
                 resolved[identity] = value.detach().resolve_conj().resolve_neg()
             value = resolved[identity]
         elif snapshot and not frozen and value.numel() > 0 and value.device.type != "meta":
-            twin = _snapshot(value.detach(), copies)
+            pool = snapshot if isinstance(snapshot, SnapshotPool) else None
+            twin = _snapshot(value.detach(), copies, pool)
         sources.append(_source(name, value, identity, frozen, twin))
     return sources, skipped
 
@@ -128,9 +145,13 @@ def checkpoint_sources(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     rng: bool = False,
-    snapshot: bool = False,
+    snapshot: bool | SnapshotPool = False,
 ) -> tuple[list[Source], list[str], dict[str, Any] | None]:
-    """Model, optimizer, scheduler and RNG as sources plus the manifest's training section."""
+    """Model, optimizer, scheduler and RNG as sources plus the manifest's training section.
+
+    With ``snapshot``, what training can change is copied now; a :class:`SnapshotPool`
+    (the vault's) lends the buffers of the previous background save for the copies.
+    """
     from . import _torch_state
 
     sources, skipped = _sources(obj, snapshot=snapshot)
