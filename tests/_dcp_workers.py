@@ -368,3 +368,48 @@ def crash_mid_save(rank: int, world: int, root: str) -> None:
         for k, t in want.items():
             assert torch.equal(got[k], t), k
         assert got_rest == rest
+
+
+def killed_mid_save(rank: int, world: int, root: str, oracle: str) -> None:
+    """Rank 1 is SIGKILLed after writing some objects of the second checkpoint."""
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import weightvault
+    import weightvault.dcp as wdcp
+
+    model = shard(gpt2(0), world)
+    opt = optimizer(model)
+    train_step(model, opt, 1)
+    wdcp.save(model, root, "good", optimizer=opt)
+    flat, rest = full_state(model, None)
+    if rank == 0:
+        write_oracle(oracle, flat, rest)
+    dist.barrier()
+    train_step(model, opt, 2)
+
+    class Killed(wdcp.VaultWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if rank == 1:
+                store = self.vault.store
+                real_put = store.put
+                calls = [0]
+
+                def put(key: str, data: Any, **kw: Any) -> bool:
+                    if key.startswith("objects/"):
+                        calls[0] += 1
+                        if calls[0] > 2:
+                            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup at all
+                    return real_put(key, data, **kw)
+
+                store.put = put  # type: ignore[method-assign]
+            return super().write_data(plan, planner)
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save(
+        {"model": msd, "optim": osd},
+        storage_writer=Killed(weightvault.Vault(root), "bad"),
+        planner=wdcp.VaultSavePlanner(model_prefix="model."),
+    )

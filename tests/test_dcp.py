@@ -146,6 +146,28 @@ def test_a_rank_failing_mid_save_commits_nothing(tmp_path: Path) -> None:
     assert vault.verify().ok
 
 
+def test_a_rank_killed_mid_save_commits_nothing_and_the_earlier_checkpoint_loads(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of one rank while it writes objects: the job dies, no record is committed,
+    the earlier checkpoint loads bitwise in one plain process, and gc keeps every object
+    that checkpoint needs."""
+    import torch.multiprocessing as mp
+
+    root, oracle = tmp_path / "vault", str(tmp_path / "oracle")
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        W.run_ranks(W.killed_mid_save, 2, str(root), oracle)
+    vault = Vault(root)
+    assert [r.name for r in vault.list()] == ["good"]
+    assert vault.verify().ok
+    vault.gc()  # the dead rank's intent is fresh: nothing "good" needs may go
+    model = W.gpt2(5)
+    vault.load(model, "latest")
+    want = load_file(oracle + ".safetensors")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+
+
 # -- one process, no process group ----------------------------------------------------------
 
 
