@@ -328,23 +328,10 @@ def crash_mid_save(rank: int, world: int, root: str) -> None:
     want, rest = full_state(model, opt)
     train_step(model, opt, 2)
 
-    class Failing(wdcp.VaultWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            if rank == 1:
-                store = self.vault.store
-                real_put = store.put
-                calls = [0]
+    def fail() -> None:
+        raise _Crash("disk gone")
 
-                def put(key: str, data: Any, **kw: Any) -> bool:
-                    if key.startswith("objects/"):
-                        calls[0] += 1
-                        if calls[0] > 2:
-                            raise _Crash("disk gone")
-                    return real_put(key, data, **kw)
-
-                store.put = put  # type: ignore[method-assign]
-            return super().write_data(plan, planner)
-
+    Failing = _breaks_on_rank_1(fail)
     msd, osd = get_state_dict(model, opt)
     try:
         dcp.save(
@@ -390,9 +377,22 @@ def killed_mid_save(rank: int, world: int, root: str, oracle: str) -> None:
     dist.barrier()
     train_step(model, opt, 2)
 
-    class Killed(wdcp.VaultWriter):
+    Killed = _breaks_on_rank_1(lambda: os.kill(os.getpid(), signal.SIGKILL))  # no cleanup
+    msd, osd = get_state_dict(model, opt)
+    dcp.save(
+        {"model": msd, "optim": osd},
+        storage_writer=Killed(weightvault.Vault(root), "bad"),
+        planner=wdcp.VaultSavePlanner(model_prefix="model."),
+    )
+
+
+def _breaks_on_rank_1(breaks: Callable[[], None]) -> Any:
+    """A VaultWriter whose rank 1 calls ``breaks`` once it has written two objects."""
+    import weightvault.dcp as wdcp
+
+    class Breaking(wdcp.VaultWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:
-            if rank == 1:
+            if dist.get_rank() == 1:
                 store = self.vault.store
                 real_put = store.put
                 calls = [0]
@@ -401,15 +401,10 @@ def killed_mid_save(rank: int, world: int, root: str, oracle: str) -> None:
                     if key.startswith("objects/"):
                         calls[0] += 1
                         if calls[0] > 2:
-                            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup at all
+                            breaks()
                     return real_put(key, data, **kw)
 
                 store.put = put  # type: ignore[method-assign]
             return super().write_data(plan, planner)
 
-    msd, osd = get_state_dict(model, opt)
-    dcp.save(
-        {"model": msd, "optim": osd},
-        storage_writer=Killed(weightvault.Vault(root), "bad"),
-        planner=wdcp.VaultSavePlanner(model_prefix="model."),
-    )
+    return Breaking

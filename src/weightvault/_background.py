@@ -24,16 +24,19 @@ class SnapshotPool:
         self._lent: list[tuple[Hashable, Any]] = []
         self._lock = threading.Lock()
 
-    def take(self, key: Hashable) -> Any | None:
-        """A spare buffer of this ``key`` (device and size), or None."""
+    def copy(self, key: Hashable, fresh: Callable[[], Any], fill: Callable[[Any], None]) -> Any:
+        """A copy for the running snapshot: a spare buffer of this ``key`` (device, size)
+        filled with ``fill``, or else ``fresh()``; either is lent until :meth:`release`."""
         with self._lock:
             spare = self._spare.get(key)
-            return spare.pop() if spare else None
-
-    def lend(self, key: Hashable, buffer: Any) -> None:
-        """Record that the running snapshot uses ``buffer``."""
+            buffer = spare.pop() if spare else None
+        if buffer is None:
+            buffer = fresh()
+        else:
+            fill(buffer)
         with self._lock:
             self._lent.append((key, buffer))
+        return buffer
 
     def release(self) -> None:
         """The save that used the lent buffers has finished: they are spare again."""

@@ -337,17 +337,7 @@ def _prepare_rng(
     ckpt: Checkpoint, model: Any, training: Mapping[str, Any], out: Prepared, needed: list[str]
 ) -> None:
     where = ckpt.path
-    doc = training.get("rng")
-    if not isinstance(doc, dict):
-        raise TrainingStateError(
-            f"{where} holds no RNG state; it was saved without rng=True, so load without rng="
-        )
-    if doc.get("python") is not None:
-        out.steps.append(_training.set_python_rng(doc["python"], where))
-        out.restored.append("rng:python")
-    if doc.get("numpy") is not None:
-        out.steps.append(_training.set_numpy_rng(doc["numpy"], where))
-        out.restored.append("rng:numpy")
+    doc = _training.prepare_host_rng(training, where, out)
     assignments: list[tuple[Any, Any]] = []
     if doc.get("keras") is not None:
         from keras.src.random.seed_generator import global_seed_generator

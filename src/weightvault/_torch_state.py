@@ -52,13 +52,7 @@ def _private_copy(t: torch.Tensor, pool: SnapshotPool | None) -> torch.Tensor:
     if pool is None:
         return t.clone()
     key = ("tensor", str(t.device), t.dtype, tuple(t.shape))
-    buffer = pool.take(key)
-    if buffer is None:
-        buffer = t.clone()
-    else:
-        buffer.copy_(t)
-    pool.lend(key, buffer)
-    return buffer  # type: ignore[no-any-return]
+    return pool.copy(key, t.clone, lambda buffer: buffer.copy_(t))  # type: ignore[no-any-return]
 
 
 def _tensor_source(name: str, t: torch.Tensor, snapshot: bool | SnapshotPool) -> Source:
@@ -279,17 +273,7 @@ def _prepare_rng(
     ckpt: Checkpoint, training: Mapping[str, Any], out: Prepared, needed: list[str]
 ) -> None:
     where = ckpt.path
-    doc = training.get("rng")
-    if not isinstance(doc, dict):
-        raise TrainingStateError(
-            f"{where} holds no RNG state; it was saved without rng=True, so load without rng="
-        )
-    if doc.get("python") is not None:
-        out.steps.append(_training.set_python_rng(doc["python"], where))
-        out.restored.append("rng:python")
-    if doc.get("numpy") is not None:
-        out.steps.append(_training.set_numpy_rng(doc["numpy"], where))
-        out.restored.append("rng:numpy")
+    doc = _training.prepare_host_rng(training, where, out)
     cpu = _rng_tensor(ckpt, doc.get("torch"), torch.get_rng_state(), needed)
     out.steps.append(lambda: torch.set_rng_state(cpu))
     out.restored.append("rng:torch")

@@ -420,3 +420,23 @@ def stored_name(ckpt: Checkpoint, name: str) -> str | None:
     alias = m.aliases.get(name, name)
     stored = m.copies.get(alias, alias)
     return stored if stored in ckpt.stored else None
+
+
+def prepare_host_rng(training: Mapping[str, Any], where: str, out: Prepared) -> dict[str, Any]:
+    """The RNG section, with Python's and numpy's restores added to ``out``.
+
+    Raises:
+        TrainingStateError: The checkpoint was saved without ``rng=True``.
+    """
+    doc = training.get("rng")
+    if not isinstance(doc, dict):
+        raise TrainingStateError(
+            f"{where} holds no RNG state; it was saved without rng=True, so load without rng="
+        )
+    if doc.get("python") is not None:
+        out.steps.append(set_python_rng(doc["python"], where))
+        out.restored.append("rng:python")
+    if doc.get("numpy") is not None:
+        out.steps.append(set_numpy_rng(doc["numpy"], where))
+        out.restored.append("rng:numpy")
+    return doc

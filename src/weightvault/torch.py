@@ -73,14 +73,11 @@ def _copy_storage(storage: torch.UntypedStorage, pool: SnapshotPool | None) -> A
     """A copy of ``storage``, into a buffer of the previous snapshot when there is one."""
     if pool is None:
         return storage.clone()  # type: ignore[no-untyped-call]
-    key = (str(storage.device), storage.nbytes())
-    buffer = pool.take(key)
-    if buffer is None:
-        buffer = storage.clone()  # type: ignore[no-untyped-call]
-    else:
-        buffer.copy_(storage)
-    pool.lend(key, buffer)
-    return buffer
+    return pool.copy(
+        (str(storage.device), storage.nbytes()),
+        storage.clone,
+        lambda buffer: buffer.copy_(storage),
+    )
 
 
 def _snapshot(
