@@ -33,8 +33,8 @@ def build_model(quick: bool, seed: int = 0) -> torch.nn.Module:
 
 def unique_buffers(model: torch.nn.Module) -> list[memoryview]:
     """The bytes weightvault stores for ``model`` (ties and equal copies removed), in order."""
-    from weightvault import _writer
-    from weightvault._plan import plan
+    from weightvault._file import writer as _writer
+    from weightvault._file.sharing import plan
     from weightvault.torch import _sources
 
     sources, _ = _sources(model)

@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 import weightvault
 import weightvault.torch as wv
-from weightvault._cli_vault import plot
+from weightvault._cli.vault import plot
 
 MiB = 2**20
 

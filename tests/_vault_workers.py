@@ -142,7 +142,7 @@ def gc_loop(root: str, go_file: str, stop_file: str) -> None:
 
 
 def gc_stop(root: str, stale: float, when: str) -> None:
-    from weightvault import _vault
+    from weightvault._vault import vault as _vault
 
     _vault.GC_STALE_SECONDS = stale
     _vault.GC_HEARTBEAT_SECONDS = stale / 5

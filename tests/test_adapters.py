@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from weightvault import Vault
-from weightvault._adapters import ADAPTERS, adapter_for
+from weightvault._vault.adapters import ADAPTERS, adapter_for
 
 np = pytest.importorskip("numpy")
 

@@ -24,9 +24,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import weightvault  # noqa: E402
-import weightvault._writer  # noqa: E402
+import weightvault._file.writer  # noqa: E402
 import weightvault.torch as wvt  # noqa: E402
-from weightvault import _torch_tensors  # noqa: E402
+from weightvault._torch import tensors as _torch_tensors  # noqa: E402
 
 #: 16 tensors of 1 Mi int32 each: 64 MiB per version.
 TENSORS = 16
@@ -201,7 +201,7 @@ def _fail_after_first_write(monkeypatch: pytest.MonkeyPatch, exc: BaseException)
             raise exc
         real(fd, data)
 
-    monkeypatch.setattr(weightvault._writer, "_write_all", write_all)
+    monkeypatch.setattr(weightvault._file.writer, "_write_all", write_all)
     return calls
 
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import weightvault.torch as wv  # noqa: E402
-from weightvault._cli import main  # noqa: E402
+from weightvault._cli.main import main  # noqa: E402
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -110,7 +110,7 @@ def test_each_exit_code_has_one_meaning_everywhere(capsys):
         FormatError,
         RuleError,
     )
-    from weightvault._cli_common import EXIT_CODES, exit_code
+    from weightvault._cli.common import EXIT_CODES, exit_code
 
     cases = {
         FormatError("f"): 3,

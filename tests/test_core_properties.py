@@ -15,9 +15,9 @@ from pathlib import Path
 
 from hypothesis import given, settings, strategies as st
 
-from weightvault._match import Target, plan_load
-from weightvault._plan import Source, plan
-from weightvault._reader import MemoryCheckpoint
+from weightvault._file.checkpoint import MemoryCheckpoint
+from weightvault._file.sharing import Source, plan
+from weightvault._load.plan import Target, plan_load
 
 DTYPES = {"U8": 1, "F16": 2, "F32": 4}
 
@@ -102,7 +102,7 @@ def test_plan_load_gives_every_name_its_saved_bytes(
 
 def test_the_core_needs_no_framework() -> None:
     code = (
-        "import sys, weightvault._match, weightvault._plan, weightvault._reader\n"
+        "import sys, weightvault._load.plan, weightvault._file.sharing, weightvault._file.checkpoint\n"
         "print(sorted({'torch', 'keras', 'jax', 'numpy'} & set(sys.modules)))"
     )
     src = str(Path(__file__).resolve().parent.parent / "src")

@@ -311,6 +311,8 @@ def test_import_weightvault_stays_torch_free() -> None:
     import subprocess
     import sys
 
-    code = "import sys, weightvault, weightvault._dcp_record; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, weightvault, weightvault._vault.dcp_record; assert 'torch' not in sys.modules"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

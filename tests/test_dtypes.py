@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from weightvault._dtypes import (
+from weightvault._base.dtypes import (
     BY_FRAMEWORK_NAME,
     FRAMEWORK_NAMES,
     ITEMSIZE,
@@ -13,7 +13,7 @@ from weightvault._dtypes import (
     numpy_dtype,
     span,
 )
-from weightvault._errors import UnsupportedDtypeError
+from weightvault._base.errors import UnsupportedDtypeError
 
 np = pytest.importorskip("numpy")
 
@@ -28,7 +28,7 @@ def test_numpy_and_torch_agree_with_the_table(name: str) -> None:
     pytest.importorskip("ml_dtypes")
     assert numpy_dtype(name).itemsize == ITEMSIZE[name]
     pytest.importorskip("torch")
-    from weightvault._torch_tensors import DTYPES
+    from weightvault._torch.tensors import DTYPES
 
     assert DTYPES[name].itemsize == ITEMSIZE[name]
     assert str(DTYPES[name]) == f"torch.{FRAMEWORK_NAMES[name]}"

@@ -22,8 +22,8 @@ import pytest
 import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
-from weightvault._open import open_checkpoint
 from weightvault.formats import detect
+from weightvault.formats._open import open_checkpoint
 from weightvault.formats.torch_pickle import scan
 
 torch = pytest.importorskip("torch")
@@ -172,7 +172,7 @@ def test_scan_needs_no_unpickling() -> None:
 
 
 def test_cli_refuses_a_malicious_file(tmp_path: Path) -> None:
-    from weightvault._cli import main
+    from weightvault._cli.main import main
 
     marker, files = evil_files(tmp_path)
     assert main(["convert", str(files[0]), str(tmp_path / "o.safetensors")]) == 3
@@ -187,7 +187,7 @@ NO_TORCH = """
 import json, sys
 sys.modules["torch"] = None
 import weightvault, weightvault.numpy as wvn
-from weightvault._open import open_checkpoint
+from weightvault.formats._open import open_checkpoint
 out = {}
 with open_checkpoint(sys.argv[1]) as ckpt:
     out["kinds"] = {n: ckpt.entry(n).kind for n in ckpt.names}

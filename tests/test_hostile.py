@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import weightvault
-from weightvault._open import open_checkpoint
+from weightvault.formats._open import open_checkpoint
 
 try:
     import torch
@@ -1013,7 +1013,7 @@ _TRUNCATE = """
 import sys, os
 import numpy as np
 import weightvault, weightvault.numpy as wvn
-from weightvault._open import open_checkpoint
+from weightvault.formats._open import open_checkpoint
 
 path, how = sys.argv[1], sys.argv[2]
 arrays = {f"t{i}": np.full(1 << 18, i, np.float32) for i in range(4)}
@@ -1124,7 +1124,7 @@ def _hostile_files(tmp_path: Path) -> list[Path]:
 def test_cli_never_raises_on_hostile_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from weightvault._cli import main
+    from weightvault._cli.main import main
 
     files = _hostile_files(tmp_path)
     good = files[-1]
@@ -1167,7 +1167,7 @@ def test_cli_subprocess_prints_no_traceback(tmp_path: Path, case: str) -> None:
         argv, expected = ["diff", str(good), str(tmp_path)], 3
     else:
         argv, expected = ["inspect", str(_write(tmp_path, CASES[case][0]))], 3
-    cli = [sys.executable, "-m", "weightvault._cli"]
+    cli = [sys.executable, "-m", "weightvault._cli.main"]
     result = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == expected, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -1178,7 +1178,7 @@ def test_cli_unexpected_error_is_one_line_exit_4(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bug reached by some input still ends in one line; WEIGHTVAULT_DEBUG shows where."""
-    from weightvault import _cli
+    from weightvault._cli import main as _cli
 
     def broken(path: object) -> None:
         raise KeyError("deep\ninside")
@@ -1201,7 +1201,7 @@ def test_cli_unexpected_error_is_one_line_exit_4(
 
 
 def _counting_same_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from weightvault import _plan
+    from weightvault._file import sharing as _plan
 
     calls = [0]
     real = _plan.same_bytes
@@ -1289,8 +1289,8 @@ def test_verify_reports_what_a_reader_should_not_have_raised(
     """verify() reports, never raises, even if a reader leaks an error it should wrap."""
     import zlib
 
-    from weightvault import _inspect
-    from weightvault._reader import SafetensorsFile
+    from weightvault._file.checkpoint import SafetensorsFile
+    from weightvault._tools import inspect as _inspect
 
     path = _write(tmp_path, blob(TWO, TWO_DATA))
 

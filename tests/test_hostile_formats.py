@@ -32,7 +32,8 @@ import pytest
 import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
-from weightvault._limits import ENV_VAR, DecodeBudget, InvalidLimitError, default_limit
+from weightvault._base.errors import InvalidLimitError
+from weightvault._base.limits import ENV_VAR, DecodeBudget, default_limit
 from weightvault.formats import open_any
 
 h5py = pytest.importorskip("h5py")

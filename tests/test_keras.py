@@ -17,8 +17,8 @@ h5py = pytest.importorskip("h5py")
 
 import weightvault  # noqa: E402
 import weightvault.keras as wvk  # noqa: E402
-from weightvault._reader import MemoryCheckpoint  # noqa: E402
-from weightvault._transforms import Permute, parse, resolve  # noqa: E402
+from weightvault._file.checkpoint import MemoryCheckpoint  # noqa: E402
+from weightvault._load.transforms import Permute, parse, resolve  # noqa: E402
 
 layers = keras.layers
 KERNEL = 256

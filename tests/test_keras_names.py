@@ -16,12 +16,9 @@ keras = pytest.importorskip("keras")
 h5py = pytest.importorskip("h5py")
 
 import weightvault.keras as wvk  # noqa: E402
-from weightvault._keras_internals import (  # noqa: E402
-    SUPPORTED,
-    KerasInternalsChanged,
-    _lookup,
-)
-from weightvault._reader import SafetensorsFile  # noqa: E402
+from weightvault._base.errors import KerasInternalsChanged  # noqa: E402
+from weightvault._file.checkpoint import SafetensorsFile  # noqa: E402
+from weightvault._keras.internals import SUPPORTED, _lookup  # noqa: E402
 
 #: (weightvault's name, the dataset path in Keras' own .weights.h5), in save order.
 PINNED = [

@@ -13,7 +13,7 @@ keras = pytest.importorskip("keras")
 
 import weightvault.keras as wvk  # noqa: E402
 from weightvault import KeyMismatchError, Vault  # noqa: E402
-from weightvault._training import TrainingStateError  # noqa: E402
+from weightvault._base.errors import TrainingStateError  # noqa: E402
 from weightvault.integrations.keras import VaultCheckpoint, restore  # noqa: E402
 
 OPTIMIZERS = {

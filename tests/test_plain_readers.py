@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 import weightvault  # noqa: E402
 import weightvault.numpy as wvn  # noqa: E402
 import weightvault.torch as wv  # noqa: E402
-from weightvault._dtypes import ITEMSIZE  # noqa: E402
+from weightvault._base.dtypes import ITEMSIZE  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -96,7 +96,7 @@ def test_import_and_cli_need_no_framework(tmp_path):
         "import sys\n"
         "for m in ('torch', 'numpy', 'safetensors', 'keras', 'jax', 'tensorflow'):\n"
         "    sys.modules[m] = None\n"
-        "import weightvault, weightvault._cli, weightvault.rules\n"
+        "import weightvault, weightvault._cli.main, weightvault.rules\n"
         "assert not any(m in sys.modules and sys.modules[m] is not None\n"
         "               for m in ('torch', 'numpy'))\n"
         "try:\n"

@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 import weightvault  # noqa: E402
 import weightvault.torch as wv  # noqa: E402
 from weightvault import KeyMismatchError, ShapeMismatchError, Vault  # noqa: E402
-from weightvault._training import TrainingStateError, UnsupportedStateError  # noqa: E402
+from weightvault._base.errors import TrainingStateError, UnsupportedStateError  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("_resume_worker.py"))
 

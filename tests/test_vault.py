@@ -751,7 +751,7 @@ def test_gc_refuses_to_guess_when_a_record_lacks_its_objects(tmp_path: Path) -> 
 
 def test_a_dead_gc_marker_stops_blocking_saves(tmp_path: Path) -> None:
     """A gc killed mid-run leaves its marker; saves wait only until its heartbeat is stale."""
-    from weightvault import _vault
+    from weightvault._vault import vault as _vault
 
     vault = Vault(tmp_path, gc_wait=5)
     (tmp_path / "gc").mkdir()
@@ -769,7 +769,7 @@ def test_a_dead_gc_marker_stops_blocking_saves(tmp_path: Path) -> None:
 
 
 def test_gc_removes_long_dead_temporary_files_everywhere(tmp_path: Path) -> None:
-    from weightvault import _vault
+    from weightvault._vault import vault as _vault
 
     vault = Vault(tmp_path)
     vault.save(build(0))

@@ -25,15 +25,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
-from weightvault import (  # noqa: E402
-    CheckpointNameError,
-    FormatError,
-    Vault,
-    WeightvaultError,
-    _vault,
-)
-from weightvault._cli import main  # noqa: E402
-from weightvault._store import check_key  # noqa: E402
+from weightvault import CheckpointNameError, FormatError, Vault, WeightvaultError  # noqa: E402
+from weightvault._cli.main import main  # noqa: E402
+from weightvault._vault import vault as _vault  # noqa: E402
+from weightvault._vault.store import check_key  # noqa: E402
 
 WORKERS = str(Path(__file__).with_name("_vault_workers.py"))
 

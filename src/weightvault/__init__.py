@@ -16,9 +16,8 @@ files; each framework has its own module with the same verbs (``weightvault.torc
 
 from __future__ import annotations
 
-from ._background import SaveHandle
-from ._convert import convert
-from ._errors import (
+from ._base.background import SaveHandle
+from ._base.errors import (
     BackendNotInstalled,
     CheckpointExistsError,
     CheckpointNameError,
@@ -34,10 +33,11 @@ from ._errors import (
     UnsupportedValueError,
     WeightvaultError,
 )
-from ._inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
-from ._reader import Checkpoint
-from ._reports import LoadReport, OptimizerReport, SaveReport
-from ._vault import CheckpointRecord, Vault, VaultVerifyReport
+from ._base.reports import LoadReport, OptimizerReport, SaveReport
+from ._file.checkpoint import Checkpoint
+from ._tools.convert import convert
+from ._tools.inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
+from ._vault.vault import CheckpointRecord, Vault, VaultVerifyReport
 
 __version__ = "0.1.0"
 

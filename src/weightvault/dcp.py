@@ -71,11 +71,16 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ._dcp_record import KIND, model_header, object_key, parse_tensors
-from ._dtypes import ITEMSIZE
-from ._errors import CheckpointExistsError, FormatError, WeightvaultError
-from ._torch_tensors import DTYPES, NAMES, _bytes
-from ._vault import VERSION, CheckpointRecord, Vault, _record, check_name, content_hash
+from ._base.dtypes import ITEMSIZE
+from ._base.errors import (
+    CheckpointExistsError,
+    CollectivesRequiredError,
+    FormatError,
+    UnstorableValueError,
+)
+from ._torch.tensors import DTYPES, NAMES, _bytes
+from ._vault.dcp_record import KIND, model_header, object_key, parse_tensors
+from ._vault.vault import VERSION, CheckpointRecord, Vault, _record, check_name, content_hash
 
 __all__ = [
     "ReadStats",
@@ -90,14 +95,6 @@ __all__ = [
 VaultLike = Vault | str | os.PathLike[str]
 #: Keys of the state :func:`save` hands to DCP; the model's part is what Vault.load reads.
 MODEL, OPTIM = "model", "optim"
-
-
-class UnstorableValueError(WeightvaultError, TypeError):
-    """A non-tensor value of the state cannot be kept without pickle (JSON holds it not)."""
-
-
-class _CollectivesRequired(WeightvaultError, NotImplementedError):
-    """DCP's per-rank metadata mode: the vault's commit needs rank 0 to see every rank."""
 
 
 def _vault(vault: VaultLike) -> Vault:
@@ -334,7 +331,7 @@ class VaultWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
-            raise _CollectivesRequired(
+            raise CollectivesRequiredError(
                 f"{self.vault.url}: VaultWriter needs DCP's collectives (one record, "
                 "committed by rank 0); call dcp.save without use_collectives=False"
             )

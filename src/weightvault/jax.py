@@ -34,13 +34,12 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ._dtypes import ITEMSIZE, numpy_dtype, unsupported
-from ._errors import (
+from ._base.dtypes import ITEMSIZE, numpy_dtype, unsupported
+from ._base.errors import (
     BackendNotInstalled,
     UnsupportedDtypeError as UnsupportedDtypeError,
     WeightvaultError,
@@ -60,12 +59,14 @@ except ImportError:  # pragma: no cover - pytrees and Equinox work without Flax
     nnx = None  # type: ignore[assignment]
     _graph = None  # type: ignore[assignment]
 
-from . import _rules, _transforms, _writer
-from ._match import RulesArg, Target, plan_load
-from ._open import opened
-from ._plan import Source
-from ._reader import Checkpoint, Entry
-from ._reports import LoadReport, SaveReport
+from ._base.reports import LoadReport, SaveReport
+from ._base.types import PathLike
+from ._file import writer as _writer
+from ._file.checkpoint import Checkpoint, CheckpointSource, Entry
+from ._file.sharing import Source
+from ._load import rules as _rules, transforms as _transforms
+from ._load.plan import RulesArg, Target, plan_load
+from .formats._open import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 
@@ -75,8 +76,6 @@ FRAMEWORK = "flax"
 #: The NNX ``Variable`` metadata key that marks a frozen parameter.
 FROZEN_KEY = "weightvault_frozen"
 
-PathLike = str | os.PathLike[str]
-Source_ = PathLike | Checkpoint
 T = TypeVar("T")
 
 #: safetensors dtype name -> numpy dtype (``ml_dtypes``, a JAX dependency, for bf16/fp8).
@@ -336,7 +335,7 @@ def _read(ckpt: Checkpoint, e: Entry) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(base, v.shape, strides, writeable=False).copy()
 
 
-def load_file(path: Source_, *, verify: bool = False) -> dict[str, jax.Array]:
+def load_file(path: CheckpointSource, *, verify: bool = False) -> dict[str, jax.Array]:
     """Read every name in ``path`` as a ``jax.Array`` on the default device.
 
     Aliases come back as one array object; copies and views as arrays of their own.
@@ -373,7 +372,7 @@ def _placed(value: np.ndarray, like: Any) -> Any:
 
 def load(
     obj: T,
-    path: Source_,
+    path: CheckpointSource,
     *,
     strict: bool = True,
     rules: RulesArg = (),

@@ -23,11 +23,10 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._errors import BackendNotInstalled, WeightvaultError, capped
+from ._base.errors import BackendNotInstalled, WeightvaultError, capped
 
 try:
     import keras
@@ -38,32 +37,23 @@ except ImportError as e:  # pragma: no cover - exercised only without keras
         "weightvault.keras needs Keras 3: pip install 'weightvault[keras]'"
     ) from e
 
-from . import _rules, _transforms, _writer
-from ._header import TensorInfo
-from ._keras_internals import sublayers
-from ._keras_walk import (
-    _KERAS_FILE_NAME,
-    NAMES,
-    NUMPY,
-    _base,
-    _dtype_name,
-    _Var,
-    _walk,
-)
-from ._manifest import Manifest, View
-from ._match import RulesArg, Target, plan_load
-from ._open import open_checkpoint, opened
-from ._plan import Source
-from ._reader import Checkpoint
-from ._reports import LoadReport, SaveReport
+from ._base.reports import LoadReport, SaveReport
+from ._base.types import PathLike
+from ._file import writer as _writer
+from ._file.checkpoint import Checkpoint, CheckpointSource
+from ._file.header import TensorInfo
+from ._file.manifest import Manifest, View
+from ._file.sharing import Source
+from ._keras.internals import sublayers
+from ._keras.walk import _KERAS_FILE_NAME, NAMES, NUMPY, _base, _dtype_name, _Var, _walk
+from ._load import rules as _rules, transforms as _transforms
+from ._load.plan import RulesArg, Target, plan_load
+from .formats._open import open_checkpoint, opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 
 #: The ``"format"`` written into ``__metadata__``.
 FRAMEWORK = "keras"
-
-PathLike = str | os.PathLike[str]
-Source_ = PathLike | Checkpoint
 
 
 def _model_vars(model: Any, verb: str) -> list[_Var]:
@@ -169,7 +159,7 @@ def checkpoint_sources(
     With ``snapshot``, every variable that training can change (all but frozen ones; on
     JAX all) is copied now, so a background save writes the values of the call.
     """
-    from . import _keras_state
+    from ._keras import state as _keras_state
 
     _keras_state.refuse_scheduler(scheduler)
     sources, skipped = _sources(obj)
@@ -270,7 +260,11 @@ def _read(ckpt: Checkpoint, name: str) -> Any:
 
 
 def load_file(
-    path: Source_, *, mmap: bool = False, verify: bool = False, max_bytes: int | None = None
+    path: CheckpointSource,
+    *,
+    mmap: bool = False,
+    verify: bool = False,
+    max_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Read every name in ``path`` as a numpy array.
 
@@ -412,7 +406,7 @@ def _as_ours(ckpt: Checkpoint, vs: list[_Var]) -> Checkpoint:
 
 def load(
     model: Any,
-    path: Source_,
+    path: CheckpointSource,
     *,
     strict: bool = True,
     rules: RulesArg = (),
@@ -471,7 +465,7 @@ def load(
         >>> report.untied
         []
     """
-    from . import _keras_state
+    from ._keras import state as _keras_state
 
     _keras_state.refuse_scheduler(scheduler)
     vs = _model_vars(model, "load")

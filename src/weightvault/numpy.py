@@ -14,12 +14,11 @@ bfloat16 and float8 arrays use the ``ml_dtypes`` types.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from ._dtypes import FRAMEWORK_NAMES, NUMPY_NATIVE, numpy_dtype, unsupported
-from ._errors import (
+from ._base.dtypes import FRAMEWORK_NAMES, NUMPY_NATIVE, numpy_dtype, unsupported
+from ._base.errors import (
     BackendNotInstalled,
     UnsupportedDtypeError as UnsupportedDtypeError,
     UnsupportedValueError,
@@ -32,20 +31,19 @@ except ImportError as e:  # pragma: no cover - exercised only without numpy
         "weightvault.numpy needs numpy: pip install 'weightvault[numpy]'"
     ) from e
 
-from . import _writer
-from ._match import RulesArg, Target, plan_load
-from ._open import opened
-from ._plan import Source
-from ._reader import Checkpoint, Entry
-from ._reports import LoadReport, SaveReport
+from ._base.reports import LoadReport, SaveReport
+from ._base.types import PathLike
+from ._file import writer as _writer
+from ._file.checkpoint import Checkpoint, CheckpointSource, Entry
+from ._file.sharing import Source
+from ._load.plan import RulesArg, Target, plan_load
+from .formats._open import opened
 
 __all__ = ["load", "load_file", "save"]
 
 #: The ``"format"`` written into ``__metadata__``.
 FRAMEWORK = "np"
 
-PathLike = str | os.PathLike[str]
-Source_ = PathLike | Checkpoint
 
 #: Dtypes numpy has natively, and those that need ``ml_dtypes``, by safetensors name.
 NATIVE = {k: FRAMEWORK_NAMES[k] for k in NUMPY_NATIVE}
@@ -204,7 +202,7 @@ def _cost(ckpt: Checkpoint, names: list[str]) -> int:
 
 
 def load_file(
-    path: Source_, *, verify: bool = False, max_bytes: int | None = None
+    path: CheckpointSource, *, verify: bool = False, max_bytes: int | None = None
 ) -> dict[str, np.ndarray]:
     """Read every name in ``path`` as its own numpy array.
 
@@ -239,7 +237,7 @@ def load_file(
 
 def load(
     arrays: MutableMapping[str, np.ndarray],
-    path: Source_,
+    path: CheckpointSource,
     *,
     strict: bool = True,
     rules: RulesArg = (),

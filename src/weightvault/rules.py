@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from ._rules import Rule, Rules, check, explain, invert, rename
+from ._load.rules import Rule, Rules, check, explain, invert, rename
 
 __all__ = [
     "GLUON_TO_TORCH",

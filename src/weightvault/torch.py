@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._errors import BackendNotInstalled, UnsupportedValueError, WeightvaultError, capped
+from ._base.errors import BackendNotInstalled, UnsupportedValueError, WeightvaultError, capped
 
 try:
     import torch
@@ -26,14 +26,15 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
         "weightvault.torch needs PyTorch: pip install 'weightvault[torch]'"
     ) from e
 
-from . import _rules, _transforms, _writer
-from ._background import SaveHandle, SnapshotPool
-from ._match import Assignment, RulesArg, Target, plan_load
-from ._open import opened
-from ._plan import Source
-from ._reader import Checkpoint
-from ._reports import LoadReport, SaveReport
-from ._torch_tensors import (
+from ._base.background import SaveHandle, SnapshotPool
+from ._base.reports import LoadReport, SaveReport
+from ._base.types import PathLike
+from ._file import writer as _writer
+from ._file.checkpoint import Checkpoint, CheckpointSource
+from ._file.sharing import Source
+from ._load import rules as _rules, transforms as _transforms
+from ._load.plan import Assignment, RulesArg, Target, plan_load
+from ._torch.tensors import (
     DTYPES as DTYPES,
     NAMES,
     UnsupportedDtypeError as UnsupportedDtypeError,
@@ -43,6 +44,7 @@ from ._torch_tensors import (
     _source,
     _value,
 )
+from .formats._open import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 
@@ -51,9 +53,6 @@ _READERS = min(4, os.cpu_count() or 1)
 
 #: The ``"format"`` written into ``__metadata__``, as transformers expects.
 FRAMEWORK = "pt"
-
-PathLike = str | os.PathLike[str]
-Source_ = PathLike | Checkpoint
 
 
 def _check_value(name: str, value: Any) -> None:
@@ -149,7 +148,7 @@ def checkpoint_sources(
     With ``snapshot``, what training can change is copied now; a :class:`SnapshotPool`
     (the vault's) lends the buffers of the previous background save for the copies.
     """
-    from . import _torch_state
+    from ._torch import state as _torch_state
 
     sources, skipped = _sources(obj, snapshot=snapshot)
     extra, training = _torch_state.training_sources(
@@ -241,7 +240,11 @@ _pending: SaveHandle[SaveReport] | None = None
 
 
 def load_file(
-    path: Source_, *, mmap: bool = False, verify: bool = False, max_bytes: int | None = None
+    path: CheckpointSource,
+    *,
+    mmap: bool = False,
+    verify: bool = False,
+    max_bytes: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read every name in ``path`` as a tensor.
 
@@ -312,7 +315,7 @@ def _targets(model: nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
 
 def load(
     model: nn.Module,
-    path: Source_,
+    path: CheckpointSource,
     *,
     strict: bool = True,
     rules: RulesArg = (),
@@ -389,7 +392,7 @@ def load(
             label=type(model).__name__,
             shape_of=_transforms.shape_hook(transforms),
         )
-        from . import _torch_state
+        from ._torch import state as _torch_state
 
         # Training state is read and checked before the first weight is copied too.
         prepared = _torch_state.prepare(

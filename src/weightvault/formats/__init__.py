@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from .._detect import FOREIGN, detect
-from .._open import open_any
+from ._detect import FOREIGN, detect
+from ._open import open_any
 
 __all__ = ["FOREIGN", "detect", "open_any"]

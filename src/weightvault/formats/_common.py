@@ -18,11 +18,11 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .._dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
-from .._errors import BackendNotInstalled, FormatError, WeightvaultError
-from .._manifest import Manifest
-from .._plan import Source, plan
-from .._reader import MemoryCheckpoint
+from .._base.dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
+from .._base.errors import BackendNotInstalled, FormatError, WeightvaultError
+from .._file.checkpoint import MemoryCheckpoint
+from .._file.manifest import Manifest
+from .._file.sharing import Source, plan
 
 #: The pip command that installs what the readers need.
 PIP_FORMATS = "pip install 'weightvault[formats]'"

@@ -36,10 +36,10 @@ import os
 from collections.abc import Hashable
 from typing import Any
 
-from .._dtypes import ITEMSIZE, MAX_DIMS, numel
-from .._errors import FormatError
-from .._limits import DecodeBudget
-from .._plan import Source
+from .._base.dtypes import ITEMSIZE, MAX_DIMS, numel
+from .._base.errors import FormatError
+from .._base.limits import DecodeBudget
+from .._file.sharing import Source
 from ._common import ForeignCheckpoint, build, check_shape, decoding, map_file, need
 
 #: numpy dtype kind + itemsize -> safetensors dtype name.

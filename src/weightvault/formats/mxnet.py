@@ -20,12 +20,12 @@ import mmap
 import os
 import struct
 
-from .._detect import MXNET_LIST_MAGIC as LIST_MAGIC
-from .._dtypes import ITEMSIZE, MAX_DIMS, numel
-from .._errors import FormatError
-from .._limits import DecodeBudget
-from .._plan import Source
+from .._base.dtypes import ITEMSIZE, MAX_DIMS, numel
+from .._base.errors import FormatError
+from .._base.limits import DecodeBudget
+from .._file.sharing import Source
 from ._common import ForeignCheckpoint, build, decoding, map_file, plain
+from ._detect import MXNET_LIST_MAGIC as LIST_MAGIC
 
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 #: mshadow type flags -> safetensors dtype names (seed-systems.md §2.4).

@@ -25,10 +25,10 @@ import zipfile
 import zlib
 from typing import Any
 
-from .._dtypes import ITEMSIZE, numel
-from .._errors import FormatError
-from .._limits import DecodeBudget
-from .._plan import Source
+from .._base.dtypes import ITEMSIZE, numel
+from .._base.errors import FormatError
+from .._base.limits import DecodeBudget
+from .._file.sharing import Source
 from ._common import (
     ForeignCheckpoint,
     build,

@@ -39,18 +39,11 @@ import zipfile
 from collections.abc import Hashable
 from typing import Any
 
-from .._dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, contiguous, numel
-from .._errors import FormatError, capped
-from .._limits import DecodeBudget
-from .._plan import Source
-from ._common import (
-    ForeignCheckpoint,
-    build,
-    decoding,
-    map_file,
-    stored_zip_member,
-    strided,
-)
+from .._base.dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, contiguous, numel
+from .._base.errors import FormatError, capped
+from .._base.limits import DecodeBudget
+from .._file.sharing import Source
+from ._common import ForeignCheckpoint, build, decoding, map_file, stored_zip_member, strided
 
 #: Typed storage classes -> the dtype of their elements.
 STORAGES = {
@@ -395,7 +388,7 @@ def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignC
     import torch
     from torch import nn
 
-    from .._torch_tensors import _layout_identity, _source
+    from .._torch.tensors import _layout_identity, _source
 
     if is_zip:
         _validate_zip(where, budget.requested)

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import WeightvaultError
+from .._base.errors import WeightvaultError
 
 try:
     import keras
 except ImportError as e:  # pragma: no cover - exercised only without keras
-    from .._errors import BackendNotInstalled
+    from .._base.errors import BackendNotInstalled
 
     raise BackendNotInstalled(
         "weightvault.integrations.keras needs Keras 3: pip install 'weightvault[keras]'"

@@ -20,7 +20,7 @@ import re
 from pathlib import PurePath
 from typing import Any
 
-from .._errors import BackendNotInstalled, WeightvaultError
+from .._base.errors import BackendNotInstalled, WeightvaultError
 
 try:
     import torch
@@ -31,8 +31,8 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
         "'weightvault[lightning]'"
     ) from e
 
-from .._training import UnsupportedStateError
-from .._vault import Vault
+from .._base.errors import UnsupportedStateError
+from .._vault.vault import Vault
 from ..torch import load_file as _load_file
 
 __all__ = ["VaultCheckpointIO", "checkpoint_name"]

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .._errors import BackendNotInstalled, WeightvaultError
+from .._base.errors import BackendNotInstalled, WeightvaultError
 
 try:
     import numpy as np
@@ -36,9 +36,9 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "'weightvault[transformers]'"
     ) from e
 
-from .. import _training
-from .._torch_tensors import _base
-from .._vault import Vault
+from .._torch.tensors import _base
+from .._training import state as _training
+from .._vault.vault import Vault
 from ..torch import load_file as _load_file, save as _save
 
 __all__ = ["VaultCallback", "checkout", "resume"]

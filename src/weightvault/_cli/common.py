@@ -1,0 +1,147 @@
+"""What the ``weightvault`` subcommands share: exit codes, tables, and registration.
+
+Its own module so that :mod:`._cli` (the parser and ``main``) and the subcommand modules
+(:mod:`._cli_convert`, :mod:`._cli_vault`) all import it and never each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, TextIO
+
+from .._base.errors import (
+    BackendNotInstalled,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    FormatError,
+    WeightvaultError,
+)
+from .._base.progress import human
+from .._tools.inspect import DiffReport, Inspection
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE, EXIT_UNEXPECTED = 0, 1, 2, 3, 4
+EXIT_REFUSED, EXIT_NOT_INSTALLED = 5, 6
+EXIT_INTERRUPTED = 130
+
+#: Every exit code and its one meaning; ``--help`` and docs/cli.md say the same.
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success (intact file, identical files, done)",
+    EXIT_FAILED: "a check failed (verify found damage, diff found differences)",
+    EXIT_USAGE: "usage error (unknown command, missing or malformed arguments)",
+    EXIT_UNREADABLE: "an input could not be read (missing or unreadable file, not a "
+    "valid checkpoint, no vault checkpoint of that name)",
+    EXIT_UNEXPECTED: "unexpected error, reported in one line (WEIGHTVAULT_DEBUG=1 shows "
+    "the traceback; please report it)",
+    EXIT_REFUSED: "refused: the inputs are fine but the request cannot be done as asked "
+    "(a checkpoint name taken or invalid, a rule that matches nothing, names that do "
+    "not match)",
+    EXIT_NOT_INSTALLED: "a package the input needs is not installed (the message gives "
+    "the pip command)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code of a command that raised ``error`` (see :data:`EXIT_CODES`)."""
+    if isinstance(error, BackendNotInstalled):
+        return EXIT_NOT_INSTALLED
+    # CheckpointExistsError is a FileExistsError, hence an OSError: test it first.
+    if isinstance(error, CheckpointExistsError):
+        return EXIT_REFUSED
+    if isinstance(error, FormatError | CheckpointNotFoundError | OSError):
+        return EXIT_UNREADABLE
+    if isinstance(error, WeightvaultError):
+        return EXIT_REFUSED
+    return EXIT_UNEXPECTED
+
+
+_size = human
+
+
+def _table(rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+def print_inspection(info: Inspection, out: TextIO) -> None:
+    """The table of names grouped by the tensor they share, and the totals."""
+    rows = [["name", "dtype", "shape", "size", "held as"]]
+    members: dict[str, list[str]] = {}
+    for name, rec in info.tensors.items():
+        if rec.kind != "stored":
+            members.setdefault(rec.stored, []).append(name)
+    for name in info.stored:
+        t = info.tensors.get(name)
+        if t is None:  # storage that several views share, not itself a model name
+            size = _size(info.shared_storage[name])
+            rows.append([name, "U8", "", size, "storage shared by views"])
+        else:
+            flag = " (frozen)" if name in info.frozen else ""
+            if name in info.duplicates:
+                flag += f", equal to {info.duplicates[name]}"
+            rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
+        for other in members.get(name, []):
+            o = info.tensors[other]
+            how = {"alias": "alias of", "copy": "copy of", "view": "view of"}[o.kind]
+            rows.append([f"  {other}", o.dtype, str(list(o.shape)), "0 B", f"{how} {name}"])
+    _table(rows, out)
+    out.write(
+        f"\nlogical {_size(info.logical_bytes)}, stored {_size(info.stored_bytes)}, "
+        f"saved by deduplication {_size(info.bytes_saved)}; "
+        f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
+        f"{len(info.frozen)} frozen\n"
+    )
+    if info.duplicates:
+        out.write(
+            f"{len(info.duplicates)} copies are stored under their own names for plain "
+            f"readers; dedupe_copies=True would save {_size(info.dedupe_savings)} more\n"
+        )
+    if info.metadata:
+        out.write(f"metadata: {json.dumps(info.metadata)}\n")
+
+
+def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
+    """Print a diff (``-`` removed, ``+`` added, ``~`` changed) and return the exit code."""
+    changed = [(n, v) for n, v in d.changed if v is None or v > atol]
+    within = len(d.changed) - len(changed)
+    if as_json:
+        doc = asdict(d)
+        doc["changed"] = changed
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+    else:
+        for n in d.removed:
+            out.write(f"- {n}\n")
+        for n in d.added:
+            out.write(f"+ {n}\n")
+        for n, a, b in d.reshaped:
+            out.write(f"~ {n}: {a} -> {b}\n")
+        for n, v in changed:
+            out.write(f"~ {n}: max abs diff {'?' if v is None else f'{v:.6g}'}\n")
+        out.write(
+            f"{len(d.removed)} removed, {len(d.added)} added, {len(d.reshaped)} reshaped, "
+            f"{len(changed)} changed, {within} within --atol, {d.same} identical\n"
+        )
+    return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
+
+
+Subparsers = Any  # argparse's _SubParsersAction, which is private
+
+
+def add_command(
+    sub: Subparsers, name: str, func: Callable[..., int], help: str, epilog: str
+) -> argparse.ArgumentParser:
+    """Add one subcommand whose handler is ``func(args, out) -> exit code``."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=help,
+        description=help,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(func=func)
+    return p

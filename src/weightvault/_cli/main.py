@@ -1,0 +1,222 @@
+"""The ``weightvault`` command line: inspect, verify, diff (and, from other modules,
+convert and vault) checkpoint files.
+
+Exit codes: one meaning each, listed in :data:`._cli_common.EXIT_CODES`, which
+``weightvault --help`` prints and docs/cli.md repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import textwrap
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any, TextIO
+
+from .. import __version__
+from .._base.errors import FormatError, WeightvaultError
+from .._base.progress import Progress
+from .._tools.inspect import diff, inspect, verify
+from .common import (
+    EXIT_CODES,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNEXPECTED,
+    EXIT_USAGE,
+    Subparsers,
+    add_command,
+    exit_code,
+    print_inspection,
+    report_diff,
+)
+
+#: Set to 1 to let an unexpected error show its traceback.
+DEBUG_ENV = "WEIGHTVAULT_DEBUG"
+EXIT_TABLE = "\n".join(
+    textwrap.fill(meaning, 78, initial_indent=f"  {code:<4}", subsequent_indent=" " * 6)
+    for code, meaning in EXIT_CODES.items()
+)
+
+EPILOG = f"""\
+exit codes:
+{EXIT_TABLE}
+  verify reports a file that is not a valid checkpoint as damage (1), not as 3.
+
+examples:
+  weightvault inspect model.safetensors
+  weightvault inspect model.safetensors --json | jq .aliases
+  weightvault verify model.safetensors
+  weightvault diff step100.safetensors step200.safetensors
+  weightvault vault runs/ft log            (see: weightvault vault --help)
+"""
+
+
+def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
+    info = inspect(args.file)
+    if args.json:
+        doc = asdict(info)
+        doc["bytes_saved"] = info.bytes_saved
+        doc["dedupe_savings"] = info.dedupe_savings
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+        return EXIT_OK
+    if info.format_version:
+        kind = f"weightvault v{info.format_version}"
+    elif info.container == "safetensors":
+        kind = "plain safetensors"
+    else:
+        kind = f"{info.container} file, read without its framework"
+    out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
+    print_inspection(info, out)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
+    with open(args.file, "rb"):
+        pass  # an unreadable path is exit 3, not "damaged"
+    try:
+        total = inspect(args.file).stored_bytes
+    except (FormatError, OSError):
+        total = 0
+    bar = Progress(total, "verifying")
+    report = verify(args.file, progress=bar)
+    bar.close()
+    if args.json:
+        json.dump(asdict(report), out, indent=2)
+        out.write("\n")
+    elif report.ok:
+        note = "" if report.has_checksums else " (no checksums recorded: structure only)"
+        out.write(f"{report.path}: OK, {report.checked} tensors checked{note}\n")
+    else:
+        out.write(f"{report.path}: DAMAGED\n")
+        for p in report.problems:
+            out.write(f"  {p}\n")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
+    return report_diff(diff(args.a, args.b), args.atol, args.json, out)
+
+
+def _extensions() -> list[Callable[[Subparsers], None]]:
+    """Subcommands that live in their own modules; each registers itself on ``sub``."""
+    from . import convert as _cli_convert, vault as _cli_vault
+
+    return [_cli_vault.register, _cli_convert.register]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weightvault",
+        description="Inspect, verify, compare and convert weight files that store every "
+        "distinct tensor once (valid safetensors; plain safetensors files work too), and "
+        "look after vaults of checkpoints.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"weightvault {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable[..., int], help: str, epilog: str) -> argparse.ArgumentParser:
+        return add_command(sub, name, func, help, epilog)
+
+    p = add(
+        "inspect",
+        cmd_inspect,
+        "List every name with its dtype, shape and size, grouped by the tensor it shares; "
+        "only the header is read.",
+        "example:\n  weightvault inspect model.safetensors\n"
+        "  weightvault inspect model.safetensors --json",
+    )
+    p.add_argument("file", help="a weightvault or safetensors file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add(
+        "verify",
+        cmd_verify,
+        "Check the file's structure and every tensor's checksum; exit 1 naming each "
+        "damaged tensor.",
+        "example:\n  weightvault verify model.safetensors && echo intact",
+    )
+    p.add_argument("file", help="a weightvault or safetensors file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add(
+        "diff",
+        cmd_diff,
+        "List names removed (-), added (+) and changed (~, with the max abs difference) "
+        "from A to B; exit 1 if they differ.",
+        "example:\n  weightvault diff step100.safetensors step200.safetensors --atol 1e-6",
+    )
+    p.add_argument("a", help="the first file")
+    p.add_argument("b", help="the second file")
+    p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    for register in _extensions():
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the CLI and return its exit code (see the module docstring)."""
+    out = out or _printable(sys.stdout)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) and EXIT_USAGE
+    try:
+        result: Any = args.func(args, out)
+        return int(result)
+    except BrokenPipeError:
+        # `weightvault inspect f | head` closed our stdout: not an error of ours.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return EXIT_OK
+    except (WeightvaultError, OSError) as e:
+        _error(args.command, str(e))
+        return exit_code(e)
+    except KeyboardInterrupt:
+        _error(args.command, "interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        # Hostile input must not end in a traceback: one line, a documented code, and
+        # the traceback only for someone debugging.
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            traceback.print_exc()
+        detail = " ".join(str(e)[:300].split())
+        _error(
+            args.command,
+            f"unexpected {type(e).__name__}: {detail} (set {DEBUG_ENV}=1 to see the "
+            "traceback, and please report it)",
+        )
+        return EXIT_UNEXPECTED
+
+
+def _printable(stream: TextIO) -> TextIO:
+    """``stream``, set to escape what its encoding cannot show instead of raising."""
+    if isinstance(stream, io.TextIOWrapper):
+        with contextlib.suppress(ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")
+    return stream
+
+
+def _error(command: str, message: str) -> None:
+    line = f"weightvault {command}: {message}\n"
+    with contextlib.suppress(OSError):
+        try:
+            sys.stderr.write(line)
+        except UnicodeEncodeError:
+            # The terminal's encoding cannot show a name in the message: escape it.
+            sys.stderr.write(line.encode("ascii", "backslashreplace").decode("ascii"))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One safetensors file: its header and manifest, the save plan, the writer and the reader."""

@@ -1,0 +1,1 @@
+"""weightvault.keras' private half: Keras internals, the variable walk, training state."""

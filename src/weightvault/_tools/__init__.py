@@ -1,0 +1,1 @@
+"""Whole-file tools behind the facade and the CLI: inspect, verify, diff and convert."""

@@ -1,0 +1,1 @@
+"""weightvault.torch's private half: tensor helpers and training state."""

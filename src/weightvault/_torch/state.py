@@ -1,0 +1,301 @@
+"""PyTorch's side of a training checkpoint: optimizer, LR scheduler and RNG state.
+
+The layout and the matching by name are framework-free (:mod:`weightvault._training`);
+this module reads them out of ``torch.optim`` objects and writes them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._base.background import SnapshotPool
+from .._base.errors import TrainingStateError, WeightvaultError
+from .._file import layout
+from .._file.checkpoint import Checkpoint
+from .._file.layout import RNG_PREFIX
+from .._file.sharing import Source
+from .._load.plan import RulesArg
+from .._training import state as _training
+from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
+from .tensors import _base, _bytes, _dtype_name
+
+Optimizer = torch.optim.Optimizer
+Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler, or anything with state_dict()
+
+#: Group keys that are not hyperparameters: weightvault records parameters by name itself.
+_NOT_HYPER = frozenset({"params", "param_names"})
+
+
+def _param_names(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[int, list[str]]:
+    """Every name of every parameter, by object id, in model order (a tie has several)."""
+    items = (
+        obj.named_parameters(remove_duplicate=False)
+        if isinstance(obj, nn.Module)
+        else ((n, t) for n, t in obj.items() if isinstance(t, torch.Tensor))
+    )
+    out: dict[int, list[str]] = {}
+    for name, p in items:
+        out.setdefault(id(p), []).append(name)
+    return out
+
+
+def _private_copy(t: torch.Tensor, pool: SnapshotPool | None) -> torch.Tensor:
+    """A copy of ``t``, into a buffer of the previous snapshot when there is one."""
+    if pool is None:
+        return t.clone()
+    key = ("tensor", str(t.device), t.dtype, tuple(t.shape))
+    return pool.copy(key, t.clone, lambda buffer: buffer.copy_(t))  # type: ignore[no-any-return]
+
+
+def _tensor_source(name: str, t: torch.Tensor, snapshot: bool | SnapshotPool) -> Source:
+    if snapshot:
+        t = _private_copy(t.detach(), snapshot if isinstance(snapshot, SnapshotPool) else None)
+    # No storage key: optimizer state is stored whole, never as a view of something else.
+    return Source(name, _dtype_name(name, t), tuple(t.shape), ("train", name), lambda: _bytes(t))
+
+
+def training_sources(
+    obj: nn.Module | Mapping[str, torch.Tensor],
+    *,
+    optimizer: Optimizer | None,
+    scheduler: Scheduler | None,
+    rng: bool,
+    snapshot: bool | SnapshotPool,
+) -> tuple[list[Source], dict[str, Any] | None]:
+    """The tensors and the manifest section that record the training state.
+
+    With ``snapshot``, every tensor is copied now, so the caller may change the live
+    ones while a background save writes.
+
+    Raises:
+        WeightvaultError: The optimizer holds a parameter the model does not have.
+        UnsupportedStateError: A value has no JSON or tensor form.
+    """
+    if optimizer is None and scheduler is None and not rng:
+        return [], None
+    sources: list[Source] = []
+    doc: dict[str, Any] = {"version": layout.VERSION}
+    if optimizer is not None:
+        names = _param_names(obj)
+        groups = []
+        params: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            listed = []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise WeightvaultError(
+                        f"{type(optimizer).__name__} group {gi} holds a parameter of shape "
+                        f"{list(p.shape)} that the model does not have, so it has no name to "
+                        "be saved under; build the optimizer from the model's parameters"
+                    )
+                name = names[id(p)][0]
+                listed.append(name)
+                tensors: dict[str, str] = {}
+                values: dict[str, Any] = {}
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        stored = layout.state_name(name, str(key))
+                        sources.append(_tensor_source(stored, value, snapshot))
+                        tensors[str(key)] = stored
+                    else:
+                        values[str(key)] = value
+                params[name] = (list(p.shape), tensors, values)
+            hyper = {k: v for k, v in group.items() if k not in _NOT_HYPER}
+            groups.append((hyper, listed))
+        doc["optimizer"] = _training.encode_optimizer(type(optimizer).__name__, groups, params)
+    if scheduler is not None:
+        state = scheduler.state_dict()
+        doc["scheduler"] = {
+            "class": type(scheduler).__name__,
+            "state": {
+                k: _training.encode_value(v, f"{type(scheduler).__name__} state {k!r}")
+                for k, v in state.items()
+            },
+        }
+    if rng:
+        r: dict[str, Any] = {"python": _training.python_rng(), "numpy": _training.numpy_rng()}
+        r["torch"] = RNG_PREFIX + "torch"
+        sources.append(_tensor_source(r["torch"], torch.get_rng_state(), False))
+        if torch.cuda.is_available():
+            r["cuda"] = []
+            for i, state in enumerate(torch.cuda.get_rng_state_all()):
+                r["cuda"].append(f"{RNG_PREFIX}cuda/{i}")
+                sources.append(_tensor_source(r["cuda"][-1], state, False))
+        doc["rng"] = r
+    return sources, doc
+
+
+def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """A tensor of its own (never the file mapping) for a stored training-state name."""
+    stored = _stored(ckpt, name)
+    assert stored is not None  # checked by _known before anything is read
+    return _base(ckpt, stored, mmap=False).clone()
+
+
+def _known(ckpt: Checkpoint) -> Callable[[str], bool]:
+    return lambda n: _stored(ckpt, n) is not None
+
+
+def prepare(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    *,
+    optimizer: Optimizer | None,
+    scheduler: Scheduler | None,
+    rng: bool,
+    rules: RulesArg,
+    renamed: list[tuple[str, str]],
+    strict: bool,
+    verify: bool,
+) -> Prepared:
+    """Check and read everything now, so that applying it cannot fail half-way.
+
+    Raises:
+        TrainingStateError: Something asked for is not in the checkpoint, or is malformed.
+        KeyMismatchError, ShapeMismatchError: ``strict`` and the optimizer's parameters do
+            not match the saved state.
+    """
+    out = Prepared()
+    if optimizer is None and scheduler is None and not rng:
+        return out
+    where = ckpt.path
+    if ckpt.manifest.training is None:
+        raise TrainingStateError(
+            f"{where} holds weights only: no optimizer, scheduler or RNG state. Save with "
+            "optimizer=..., scheduler=..., rng=True to resume training from it"
+        )
+    training = _training.read_training(ckpt.manifest.training, where)
+    needed: list[str] = []
+    if optimizer is not None:
+        out.steps.append(
+            _prepare_optimizer(
+                ckpt, model, optimizer, training, rules, renamed, strict, out, needed
+            )
+        )
+    if scheduler is not None:
+        out.steps.append(_prepare_scheduler(scheduler, training, where))
+        out.restored.append("scheduler")
+    if rng:
+        _prepare_rng(ckpt, training, out, needed)
+    if verify:
+        ckpt.verify(sorted({ckpt.manifest.copies.get(n, n) for n in needed}))
+    return out
+
+
+def _prepare_optimizer(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    optimizer: Optimizer,
+    training: Mapping[str, Any],
+    rules: RulesArg,
+    renamed: list[tuple[str, str]],
+    strict: bool,
+    out: Prepared,
+    needed: list[str],
+) -> Callable[[], None]:
+    where = ckpt.path
+    label = type(optimizer).__name__
+    saved = _training.read_optimizer(training, _known(ckpt), where)
+    if saved.cls != label:
+        raise TrainingStateError(
+            f"{where} holds the state of a {saved.cls} optimizer, which a {label} cannot "
+            f"take; build a {saved.cls} to resume, or load without optimizer="
+        )
+    names = _param_names(model)
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        members = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise WeightvaultError(
+                    f"{label} group {gi} holds a parameter of shape {list(p.shape)} that "
+                    f"{type(model).__name__} does not have; its state cannot be found by name"
+                )
+            members.append((names[id(p)], tuple(p.shape)))
+        groups.append(members)
+    plan = _training.plan_optimizer(
+        saved, groups, _rename(rules, renamed), strict=strict, where=where, label=label
+    )
+    out.optimizer = plan.report
+    # Read every tensor now: the file may be closed, and nothing may fail, once applying.
+    state_dict: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for gi, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        source = plan.hyper_from[gi]
+        if source is not None:
+            hyper.update(saved.groups[source].hyper)
+        ids = []
+        for pi, _ in enumerate(group["params"]):
+            disk = plan.fill.get((gi, pi))
+            if disk is not None:
+                rec = saved.params[disk]
+                state: dict[str, Any] = dict(rec.values)
+                for key, stored in rec.tensors.items():
+                    needed.append(stored)
+                    state[key] = _read(ckpt, stored)
+                state_dict["state"][index] = state
+            ids.append(index)
+            index += 1
+        hyper["params"] = ids
+        state_dict["param_groups"].append(hyper)
+    return lambda: optimizer.load_state_dict(state_dict)
+
+
+def _prepare_scheduler(
+    scheduler: Scheduler, training: Mapping[str, Any], where: str
+) -> Callable[[], None]:
+    doc = training.get("scheduler")
+    label = type(scheduler).__name__
+    if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
+        raise TrainingStateError(
+            f"{where} holds no scheduler state; it was saved without scheduler=..., so load "
+            "without scheduler="
+        )
+    if doc.get("class") != label:
+        raise TrainingStateError(
+            f"{where} holds the state of a {str(doc.get('class'))[:40]} scheduler, which a "
+            f"{label} cannot take; build a {str(doc.get('class'))[:40]} to resume"
+        )
+    state = {k: _training.decode_value(v, where) for k, v in doc["state"].items()}
+    return lambda: scheduler.load_state_dict(state)
+
+
+def _prepare_rng(
+    ckpt: Checkpoint, training: Mapping[str, Any], out: Prepared, needed: list[str]
+) -> None:
+    where = ckpt.path
+    doc = _training.prepare_host_rng(training, where, out)
+    cpu = _rng_tensor(ckpt, doc.get("torch"), torch.get_rng_state(), needed)
+    out.steps.append(lambda: torch.set_rng_state(cpu))
+    out.restored.append("rng:torch")
+    cuda = doc.get("cuda") or []
+    if cuda and torch.cuda.is_available():
+        current = torch.cuda.get_rng_state_all()
+        if len(cuda) != len(current):
+            raise TrainingStateError(
+                f"{where} holds RNG states of {len(cuda)} CUDA devices, but {len(current)} are "
+                "visible; make as many visible (CUDA_VISIBLE_DEVICES) to resume exactly"
+            )
+        states = [_rng_tensor(ckpt, n, c, needed) for n, c in zip(cuda, current, strict=True)]
+        out.steps.append(lambda: torch.cuda.set_rng_state_all(states))
+        out.restored.append("rng:cuda")
+
+
+def _rng_tensor(ckpt: Checkpoint, name: Any, like: torch.Tensor, needed: list[str]) -> torch.Tensor:
+    where = ckpt.path
+    if not isinstance(name, str) or not _known(ckpt)(name):
+        raise TrainingStateError(f"{where}: the saved torch RNG state is missing")
+    t = _read(ckpt, name)
+    if t.dtype != like.dtype or t.shape != like.shape:
+        raise TrainingStateError(
+            f"{where}: the saved torch RNG state {name!r} is {t.dtype}{list(t.shape)}, but "
+            f"this torch expects {like.dtype}{list(like.shape)}; resume with the torch build "
+            "that saved it, or load without rng="
+        )
+    needed.append(name)
+    return t

@@ -1,0 +1,1 @@
+"""Optimizer, scheduler and RNG state beside the weights, framework-free."""

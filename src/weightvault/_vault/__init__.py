@@ -1,0 +1,1 @@
+"""The vault: checkpoints whose tensors are stored once, by content, in one store."""

@@ -1,0 +1,273 @@
+"""Vault records of checkpoints written through torch.distributed.checkpoint (DCP).
+
+A DCP save leaves each tensor in pieces: one content-addressed object per shard chunk,
+written by whichever rank held that chunk. The record (``checkpoints/<name>.json``, kind
+``"dcp"``) lists every chunk with its offsets, sizes and object, in JSON; nothing is
+pickled. It also carries the usual safetensors header for the model's tensors (canonical
+names, ties as aliases, frozen flags), so a single plain process can load the checkpoint
+with :meth:`Vault.load` or export it with :meth:`Vault.export`: :class:`DcpCheckpoint`
+assembles each tensor from its chunks on demand.
+
+This module imports no framework; :mod:`weightvault.dcp` writes these records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._base.dtypes import ITEMSIZE, numel
+from .._base.errors import FormatError
+from .._file.checkpoint import Checkpoint
+from .._file.header import TensorInfo, encode_header, parse_header
+from .._file.manifest import MANIFEST_KEY, Manifest, read_manifest
+from .store import Store
+
+KIND = "dcp"
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: its box in the global tensor and its object."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    digest: str
+
+    def nbytes(self, dtype: str) -> int:
+        return numel(self.sizes) * ITEMSIZE[dtype]
+
+
+@dataclass(frozen=True)
+class ChunkedTensor:
+    """A global tensor kept as chunks."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+def object_key(digest: str) -> str:
+    return f"objects/{digest[:2]}/{digest}"
+
+
+def parse_tensors(section: Mapping[str, Any], where: str) -> dict[str, ChunkedTensor]:
+    """The ``tensors`` of a record's ``dcp`` section, validated."""
+    out: dict[str, ChunkedTensor] = {}
+    try:
+        for fqn, t in section.items():
+            dtype, shape = str(t["dtype"]), tuple(int(s) for s in t["shape"])
+            if dtype not in ITEMSIZE:
+                raise ValueError(f"unknown dtype {dtype}")
+            chunks = []
+            for off, sizes, digest in t["chunks"]:
+                c = Chunk(tuple(int(o) for o in off), tuple(int(s) for s in sizes), str(digest))
+                if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+                    raise ValueError(f"chunk rank differs from the tensor's ({fqn})")
+                if any(
+                    o < 0 or s < 0 or o + s > n
+                    for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)
+                ):
+                    raise ValueError(f"chunk out of bounds ({fqn})")
+                if not _DIGEST.match(c.digest):
+                    raise ValueError(f"bad object name ({fqn})")
+                chunks.append(c)
+            out[str(fqn)] = ChunkedTensor(dtype, shape, tuple(chunks))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise FormatError(f"{where}: DCP chunk table is malformed ({e})") from e
+    return out
+
+
+def model_header(
+    tensors: Mapping[str, ChunkedTensor],
+    ties: Mapping[str, str],
+    names: Sequence[str],
+    frozen: Sequence[str],
+    prefix: str,
+    framework: str | None,
+    metadata: Mapping[str, str],
+) -> str:
+    """The safetensors header a single file of the model's tensors would have.
+
+    Only names under ``prefix`` (``"model."`` for :func:`weightvault.dcp.save`) are the
+    model's; the prefix is stripped. Ties become aliases of their canonical name.
+    """
+    model = [n for n in names if n.startswith(prefix) and (n in tensors or n in ties)]
+    stored = [n for n in model if n in tensors]
+    aliases = {
+        a[len(prefix) :]: ties[a][len(prefix) :]
+        for a in model
+        if a in ties and ties[a] in tensors and ties[a].startswith(prefix)
+    }
+    infos, position = [], 0
+    # Widest dtype first, as the file writer lays them out, so offsets stay aligned.
+    for n in sorted(stored, key=lambda n: -ITEMSIZE[tensors[n].dtype]):
+        t = tensors[n]
+        size = numel(t.shape) * ITEMSIZE[t.dtype]
+        infos.append(TensorInfo(n[len(prefix) :], t.dtype, t.shape, position, position + size))
+        position += size
+    manifest = Manifest(
+        aliases=aliases,
+        frozen=[f[len(prefix) :] for f in frozen if f.startswith(prefix)],
+        names=[n[len(prefix) :] for n in model],
+        metadata=dict(metadata),
+    )
+    meta = {"format": framework} if framework else {}
+    meta[MANIFEST_KEY] = manifest.encode()
+    return encode_header(infos, meta)[8:].decode("utf-8").rstrip(" ")
+
+
+class DcpCheckpoint(Checkpoint):
+    """A DCP-made vault checkpoint, read by a single process as one whole model.
+
+    ``objects`` maps one label per chunk (``"<fqn>@<i>"``, optimizer state included) to
+    its object, so gc keeps and verify checks every piece.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        doc: Mapping[str, Any],
+        *,
+        record: Any,
+        data_size: Callable[[bytes, str], int],
+        content_hash: Callable[[memoryview | bytes], str],
+    ) -> None:
+        # The vault hands in its record, header sizing and hash, so this module sits below
+        # the vault instead of importing it back.
+        where = f"{store.url}/checkpoints/{name}.json"
+        self.record = record
+        self._hash = content_hash
+        _data_size = data_size
+        section, header_text = doc.get("dcp"), doc.get("header")
+        if not isinstance(section, dict) or not isinstance(header_text, str):
+            raise FormatError(f"{where}: DCP checkpoint record lacks its chunk table or header")
+        self.tensors = parse_tensors(section.get("tensors", {}), where)
+        self.prefix = str(section.get("model_prefix", ""))
+        raw = header_text.encode("utf-8")
+        header = parse_header(raw, 8 + len(raw) + _data_size(raw, where), where)
+        manifest = read_manifest(header.metadata, header.tensors, where)
+        for stored, info in header.tensors.items():
+            t = self.tensors.get(self.prefix + stored)
+            if t is None or t.dtype != info.dtype or t.shape != info.shape:
+                raise FormatError(f"{where}: tensor {stored!r} has no matching chunks")
+            covered = sum(numel(c.sizes) for c in t.chunks)
+            if covered != numel(t.shape):
+                raise FormatError(
+                    f"{where}: tensor {stored!r}: its chunks cover {covered} of "
+                    f"{numel(t.shape)} elements"
+                )
+        self.store = store
+        self.objects: dict[str, str] = {}
+        self._sizes: dict[str, int] = {}
+        for fqn, t in self.tensors.items():
+            for i, c in enumerate(t.chunks):
+                self.objects[f"{fqn}@{i}"] = c.digest
+                self._sizes[f"{fqn}@{i}"] = c.nbytes(t.dtype)
+        self._framework = header.metadata.get("format")
+        self._pieces: dict[str, bytes] = {}
+        super().__init__(where, header.tensors, manifest)
+
+    @property
+    def framework(self) -> str | None:
+        return self._framework
+
+    @property
+    def container(self) -> str:
+        return "vault"
+
+    def object_nbytes(self, label: str) -> int:
+        """The size the object of chunk ``label`` must have."""
+        return self._sizes[label]
+
+    def missing(self) -> dict[str, str]:
+        out = {}
+        for label, digest in self.objects.items():
+            size = self.store.size(object_key(digest))
+            if size is None:
+                out[label] = "object missing"
+            elif size != self._sizes[label]:
+                out[label] = f"object holds {size} bytes, expected {self._sizes[label]}"
+        return out
+
+    def fetch(self) -> None:
+        """Bring the model's chunk objects into memory now, concurrently."""
+        keys = {
+            object_key(c.digest)
+            for s in self.stored
+            for c in self.tensors[self.prefix + s].chunks
+            if c.digest not in self._pieces
+        }
+        try:
+            got = self.store.get_many(sorted(keys))
+        except FileNotFoundError as e:
+            raise FormatError(
+                f"{self.path}: a chunk object is missing ({e}); the vault is damaged, run "
+                "'weightvault vault ROOT verify'"
+            ) from e
+        for key, data in got.items():
+            self._pieces[key.rsplit("/", 1)[-1]] = data
+
+    def _piece(self, stored: str, c: Chunk, dtype: str) -> bytes | memoryview:
+        data: bytes | memoryview
+        if c.digest in self._pieces:
+            data = self._pieces[c.digest]
+        else:
+            try:
+                data = self.store.view(object_key(c.digest))
+            except FileNotFoundError:
+                raise FormatError(
+                    f"{self.path}: tensor {stored!r}: a chunk object is missing; the vault "
+                    "is damaged, run 'weightvault vault ROOT verify'"
+                ) from None
+        if len(data) != c.nbytes(dtype):
+            raise FormatError(
+                f"{self.path}: tensor {stored!r}: a chunk object holds {len(data)} bytes, "
+                f"expected {c.nbytes(dtype)}; run 'weightvault vault ROOT verify'"
+            )
+        return data
+
+    def raw(self, stored: str) -> memoryview:
+        t = self.tensors[self.prefix + stored]
+        item = ITEMSIZE[t.dtype]
+        if len(t.chunks) == 1 and t.chunks[0].sizes == t.shape:
+            return memoryview(self._piece(stored, t.chunks[0], t.dtype)).cast("B")
+        out = bytearray(numel(t.shape) * item)
+        for c in t.chunks:
+            if numel(c.sizes) == 0:
+                continue
+            _place(out, t.shape, item, c, memoryview(self._piece(stored, c, t.dtype)).cast("B"))
+        return memoryview(out)
+
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        return False
+
+    def check(self, stored: str) -> bool:
+        t = self.tensors[self.prefix + stored]
+        return all(self._hash(self._piece(stored, c, t.dtype)) == c.digest for c in t.chunks)
+
+
+def _place(out: bytearray, shape: tuple[int, ...], item: int, c: Chunk, src: memoryview) -> None:
+    """Copy chunk ``c`` (row-major bytes ``src``) into the row-major tensor ``out``."""
+    # The trailing dims the chunk spans completely form one contiguous run per outer index.
+    run_dims = len(shape)
+    while run_dims > 0 and c.sizes[run_dims - 1] == shape[run_dims - 1]:
+        run_dims -= 1
+    if run_dims == 0:
+        out[:] = src
+        return
+    # Dim run_dims-1 is partial; everything after it is whole, so one run spans that dim's slice.
+    inner = numel(shape[run_dims:]) * item
+    run = c.sizes[run_dims - 1] * inner
+    strides = [numel(shape[d + 1 :]) * item for d in range(len(shape))]
+    pos = 0
+    for idx in itertools.product(*(range(s) for s in c.sizes[: run_dims - 1])):
+        start = sum((c.offsets[d] + i) * strides[d] for d, i in enumerate(idx))
+        start += c.offsets[run_dims - 1] * strides[run_dims - 1]
+        out[start : start + run] = src[pos : pos + run]
+        pos += run

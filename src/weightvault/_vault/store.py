@@ -1,0 +1,255 @@
+"""Where a vault keeps its bytes: a local folder, or any fsspec filesystem.
+
+A store offers the few operations the vault's commit protocol needs: put a blob (durably,
+and optionally only if absent), get it, list a prefix with sizes and times, delete. The
+local store gets durability from fsync and exclusivity from ``link``; an object store gets
+both from the service (S3's conditional ``If-None-Match`` through fsspec's ``mode="create"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .._base.atomic import atomic_file, fsync_dir, write_all
+from .._base.errors import BackendNotInstalled
+
+
+@dataclass(frozen=True)
+class Blob:
+    key: str
+    size: int
+    mtime: float
+
+
+class Store:
+    """The interface; keys are ``/``-separated paths relative to the vault root."""
+
+    url: str
+    local: bool = False
+
+    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
+        """Write ``data`` at ``key`` durably; with ``exclusive``, return False if it exists."""
+        raise NotImplementedError
+
+    def get(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        return {k: self.get(k) for k in keys}
+
+    def view(self, key: str) -> memoryview:
+        """The bytes at ``key``, mapped where the store allows it (always writable)."""
+        return memoryview(bytearray(self.get(key)))
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def size(self, key: str) -> int | None:
+        raise NotImplementedError
+
+    def list(self, prefix: str) -> list[Blob]:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def rename(self, src: str, dst: str) -> bool:
+        """Move ``src`` to ``dst``, replacing it; False if ``src`` is gone.
+
+        Only content-addressed keys are moved (gc's trash), so a replaced ``dst`` always
+        held the same bytes.
+        """
+        raise NotImplementedError
+
+    def sync(self, keys: Iterable[str]) -> None:
+        """Make the directory entries of ``keys`` durable (local stores only)."""
+
+    def local_path(self, key: str) -> str | None:
+        """The file behind ``key`` on a local disk, or ``None`` for remote stores."""
+        return None
+
+
+class LocalStore(Store):
+    """A folder on a local filesystem."""
+
+    local = True
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        os.makedirs(self.root, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def local_path(self, key: str) -> str | None:
+        return self._path(key)
+
+    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # The vault syncs the folders of a commit once (see sync), not per object.
+        with atomic_file(path, exclusive=exclusive, sync_dir=False) as out:
+            write_all(out.fd, data)
+        return out.created
+
+    def get(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def view(self, key: str) -> memoryview:
+        with open(self._path(key), "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return memoryview(bytearray())
+            # MAP_PRIVATE: callers may write to tensors built on it; the object never changes.
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[Blob]:
+        base = self._path(prefix)
+        out: list[Blob] = []
+        for folder, _, files in os.walk(base):
+            for f in files:
+                path = os.path.join(folder, f)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                key = os.path.relpath(path, self.root).replace(os.sep, "/")
+                out.append(Blob(key, st.st_size, st.st_mtime))
+        return sorted(out, key=lambda b: b.key)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(key))
+
+    def rename(self, src: str, dst: str) -> bool:
+        target = self._path(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.replace(self._path(src), target)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def sync(self, keys: Iterable[str]) -> None:
+        for folder in {os.path.dirname(self._path(k)) for k in keys}:
+            fsync_dir(folder)
+
+
+class FsspecStore(Store):
+    """Any fsspec filesystem, such as ``s3://bucket/prefix``."""
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        try:
+            import fsspec
+        except ImportError:
+            raise BackendNotInstalled(
+                f"{url}: remote vaults need fsspec: pip install 'weightvault[remote]'"
+            ) from None
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
+        self.root = self.root.rstrip("/")
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}"
+
+    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
+        payload = bytes(data) if isinstance(data, memoryview) else data
+        try:
+            self.fs.pipe_file(self._path(key), payload, mode="create" if exclusive else "overwrite")
+        except FileExistsError:
+            return False
+        return True
+
+    def get(self, key: str) -> bytes:
+        data: bytes = self.fs.cat_file(self._path(key))
+        return data
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        if not keys:
+            return {}
+        # One call lets async filesystems such as s3fs fetch every object concurrently.
+        paths = [self._path(k) for k in keys]
+        got = self.fs.cat(paths, on_error="return")
+        out: dict[str, bytes] = {}
+        for k, p in zip(keys, paths, strict=True):
+            value = got.get(p)
+            if isinstance(value, BaseException):
+                raise FileNotFoundError(p) from value
+            out[k] = value
+        return out
+
+    def exists(self, key: str) -> bool:
+        return bool(self.fs.exists(self._path(key)))
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self.fs.size(self._path(key)))
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[Blob]:
+        base = self._path(prefix).rstrip("/")
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for path, info in found.items():
+            modified = info.get("LastModified") or info.get("mtime") or info.get("created")
+            mtime = modified.timestamp() if hasattr(modified, "timestamp") else float(modified or 0)
+            out.append(Blob(path[len(self.root) + 1 :], int(info.get("size", 0)), mtime))
+        return sorted(out, key=lambda b: b.key)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(key))
+
+    def rename(self, src: str, dst: str) -> bool:
+        # Object stores have no rename: copy, then delete. In between both keys hold the
+        # same bytes, which is all gc's trash protocol needs (see _vault.Vault.gc).
+        try:
+            self.fs.copy(self._path(src), self._path(dst))
+        except FileNotFoundError:
+            return False
+        self.delete(src)
+        return True
+
+
+def check_key(key: str) -> str:
+    """``key`` itself, if every ``/``-separated part is a plain name inside the root.
+
+    The vault builds keys from validated names and hex digests only; this is the last
+    guard that no key ever reaches outside the vault's root (``..``, ``/``, ``\\``, NUL).
+
+    Raises:
+        ValueError: A part is empty, ``.`` or ``..``, or holds a NUL or backslash.
+    """
+    parts = key.split("/")
+    if key and any(p in ("", ".", "..") or "\x00" in p or "\\" in p for p in parts):
+        raise ValueError(f"refusing vault key {key!r}: it would leave the vault's root")
+    return key
+
+
+def open_store(root: str | os.PathLike[str], **storage_options: Any) -> Store:
+    """A local folder for plain paths and ``file://``, fsspec for any other URL."""
+    text = os.fspath(root)
+    if "://" not in text:
+        return LocalStore(text)
+    if text.startswith("file://"):
+        return LocalStore(text[len("file://") :])
+    return FsspecStore(text, **storage_options)
