@@ -192,7 +192,7 @@ def small(v: int) -> dict[str, Any]:
 
 
 def _fail_after_first_write(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> list[int]:
-    real = weightvault._writer._write_all
+    real = weightvault._file.writer._write_all
     calls: list[int] = []
 
     def write_all(fd: int, data: Any) -> None:
@@ -266,7 +266,7 @@ def test_failing_commit_keeps_old_file(
     def boom(*args: Any) -> None:
         raise OSError(errno.EIO, f"{step} failed")
 
-    monkeypatch.setattr(weightvault._writer.os, step, boom)
+    monkeypatch.setattr(weightvault._file.writer.os, step, boom)
     with pytest.raises(OSError, match=f"{step} failed"):
         wvt.save(small(2), path)
     monkeypatch.undo()

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import weightvault.torch as wv  # noqa: E402
-from weightvault._cli.main import main  # noqa: E402
+from weightvault._cli.app import main  # noqa: E402
 
 
 def run(*argv: str) -> tuple[int, str]:

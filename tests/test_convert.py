@@ -12,7 +12,7 @@ import pytest
 import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError, RuleError
-from weightvault._cli.main import main
+from weightvault._cli.app import main
 
 safe_open = pytest.importorskip("safetensors").safe_open
 

@@ -423,7 +423,7 @@ def test_truncated_array_names_the_array_index_and_offset(tmp_path: Path) -> Non
 def test_cli_converts_params_with_builtin_rules(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from weightvault._cli.main import main
+    from weightvault._cli.app import main
 
     path = params(
         tmp_path / "m.params", {"arg:w": np.ones(4, np.float32), "aux:v": np.ones(4, np.float32)}

@@ -172,7 +172,7 @@ def test_scan_needs_no_unpickling() -> None:
 
 
 def test_cli_refuses_a_malicious_file(tmp_path: Path) -> None:
-    from weightvault._cli.main import main
+    from weightvault._cli.app import main
 
     marker, files = evil_files(tmp_path)
     assert main(["convert", str(files[0]), str(tmp_path / "o.safetensors")]) == 3

@@ -1124,7 +1124,7 @@ def _hostile_files(tmp_path: Path) -> list[Path]:
 def test_cli_never_raises_on_hostile_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from weightvault._cli.main import main
+    from weightvault._cli.app import main
 
     files = _hostile_files(tmp_path)
     good = files[-1]
@@ -1167,7 +1167,7 @@ def test_cli_subprocess_prints_no_traceback(tmp_path: Path, case: str) -> None:
         argv, expected = ["diff", str(good), str(tmp_path)], 3
     else:
         argv, expected = ["inspect", str(_write(tmp_path, CASES[case][0]))], 3
-    cli = [sys.executable, "-m", "weightvault._cli.main"]
+    cli = [sys.executable, "-m", "weightvault"]
     result = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == expected, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -1178,7 +1178,7 @@ def test_cli_unexpected_error_is_one_line_exit_4(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bug reached by some input still ends in one line; WEIGHTVAULT_DEBUG shows where."""
-    from weightvault._cli import main as _cli
+    from weightvault._cli import app as _cli
 
     def broken(path: object) -> None:
         raise KeyError("deep\ninside")

@@ -17,11 +17,17 @@ def test_all_is_pinned():
         "CheckpointNotFoundError",
         "CheckpointRecord",
         "ChecksumError",
+        "CollectivesRequiredError",
         "DiffReport",
         "FormatError",
         "Inspection",
+        "InvalidLimitError",
+        "KerasInternalsChanged",
         "KeyMismatchError",
+        "LoadOptionError",
         "LoadReport",
+        "ModelNotBuiltError",
+        "NameCollisionError",
         "OptimizerReport",
         "ReservedNameError",
         "RuleError",
@@ -29,9 +35,14 @@ def test_all_is_pinned():
         "SaveReport",
         "ShapeMismatchError",
         "TieConflictError",
+        "TrainingStateError",
+        "UnstorableValueError",
         "UnsupportedDtypeError",
+        "UnsupportedStateError",
         "UnsupportedValueError",
         "Vault",
+        "VaultBusyError",
+        "VaultNotFoundError",
         "VaultVerifyReport",
         "VerifyReport",
         "WeightvaultError",
@@ -96,7 +107,7 @@ def test_import_and_cli_need_no_framework(tmp_path):
         "import sys\n"
         "for m in ('torch', 'numpy', 'safetensors', 'keras', 'jax', 'tensorflow'):\n"
         "    sys.modules[m] = None\n"
-        "import weightvault, weightvault._cli.main, weightvault.rules\n"
+        "import weightvault, weightvault._cli.app, weightvault.rules\n"
         "assert not any(m in sys.modules and sys.modules[m] is not None\n"
         "               for m in ('torch', 'numpy'))\n"
         "try:\n"
@@ -105,7 +116,7 @@ def test_import_and_cli_need_no_framework(tmp_path):
         "    assert \"pip install 'weightvault[torch]'\" in str(e)\n"
         "else:\n"
         "    raise SystemExit('torch import should have failed')\n"
-        "raise SystemExit(weightvault._cli.main(['--version']))\n"
+        "raise SystemExit(weightvault._cli.app.main(['--version']))\n"
     )
     out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -156,3 +167,45 @@ def test_integrations_are_pinned_and_not_imported_by_weightvault():
 
     assert wvt.__all__ == ["VaultCallback", "checkout", "resume"]
     assert wvl.__all__ == ["VaultCheckpointIO", "checkpoint_name"]
+
+
+def test_every_error_class_lives_in_one_module_and_is_exported():
+    import ast
+    from pathlib import Path
+
+    from weightvault._base import errors
+
+    src = Path(weightvault.__file__).parent
+    defined_elsewhere = [
+        f"{p.relative_to(src)}:{node.name}"
+        for p in src.rglob("*.py")
+        if p != Path(errors.__file__)
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and any(getattr(b, "id", "").endswith(("Error", "Changed")) for b in node.bases)
+    ]
+    assert not defined_elsewhere, defined_elsewhere
+    classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    for cls in classes:
+        assert getattr(weightvault, cls.__name__) is cls, cls.__name__
+        assert cls.__name__ in weightvault.__all__
+        if cls is not weightvault.WeightvaultError:
+            # Each subclasses the base and a builtin a caller would already catch.
+            assert issubclass(cls, weightvault.WeightvaultError)
+            assert any(b.__module__ == "builtins" for b in cls.__mro__[1:-2]), cls
+
+
+def test_no_bare_base_error_is_raised():
+    # A caller catches the specific class (KeyError-like, ValueError-like, ...), never only
+    # the base; each raise names one.
+    import re
+    from pathlib import Path
+
+    src = Path(weightvault.__file__).parent
+    bare = [
+        f"{p.relative_to(src)}:{i}"
+        for p in src.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"raise WeightvaultError\(", line)
+    ]
+    assert not bare, bare

@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import CheckpointNameError, FormatError, Vault, WeightvaultError  # noqa: E402
-from weightvault._cli.main import main  # noqa: E402
+from weightvault._cli.app import main  # noqa: E402
 from weightvault._vault import vault as _vault  # noqa: E402
 from weightvault._vault.store import check_key  # noqa: E402
 

@@ -42,7 +42,6 @@ from ._base.dtypes import ITEMSIZE, numpy_dtype, unsupported
 from ._base.errors import (
     BackendNotInstalled,
     UnsupportedDtypeError as UnsupportedDtypeError,
-    WeightvaultError,
 )
 
 try:
@@ -59,6 +58,7 @@ except ImportError:  # pragma: no cover - pytrees and Equinox work without Flax
     nnx = None  # type: ignore[assignment]
     _graph = None  # type: ignore[assignment]
 
+from ._base.errors import UnsupportedValueError
 from ._base.reports import LoadReport, SaveReport
 from ._base.types import PathLike
 from ._file import writer as _writer
@@ -117,7 +117,7 @@ def _dtype_name(name: str, value: Any) -> str:
 def _host(name: str, value: Any) -> np.ndarray:
     """``value`` as a host numpy array; a sharded array is gathered whole."""
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        raise WeightvaultError(
+        raise UnsupportedValueError(
             f"array {name!r} is sharded across processes and this process holds only part "
             "of it; gather it first, for example with "
             "jax.experimental.multihost_utils.process_allgather, then save"

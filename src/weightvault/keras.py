@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._base.errors import BackendNotInstalled, WeightvaultError, capped
+from ._base.errors import BackendNotInstalled, capped
 
 try:
     import keras
@@ -37,6 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised only without keras
         "weightvault.keras needs Keras 3: pip install 'weightvault[keras]'"
     ) from e
 
+from ._base.errors import LoadOptionError, ModelNotBuiltError
 from ._base.reports import LoadReport, SaveReport
 from ._base.types import PathLike
 from ._file import writer as _writer
@@ -60,7 +61,7 @@ def _model_vars(model: Any, verb: str) -> list[_Var]:
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"{verb}() takes a Keras model or layer, not {type(model).__name__}")
     if not model.built:
-        raise WeightvaultError(
+        raise ModelNotBuiltError(
             f"{type(model).__name__} {model.name!r} is not built and has no variables yet; "
             "build it first, for example with model.build(input_shape) or by calling it "
             "on a batch"
@@ -499,7 +500,7 @@ def load(
             shape_of=_transforms.shape_hook(transforms),
         )
         if lp.tie:
-            raise WeightvaultError(
+            raise LoadOptionError(
                 f"Cannot tie {capped(' / '.join(g) for g in lp.tie)} in {type(model).__name__}: "
                 "Keras cannot make built layers share a variable. Pass the shared variable "
                 "to the layers when building the model, or load with tie=False (each "

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._base.errors import BackendNotInstalled, UnsupportedValueError, WeightvaultError, capped
+from ._base.errors import BackendNotInstalled, UnsupportedValueError, capped
 
 try:
     import torch
@@ -27,6 +27,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     ) from e
 
 from ._base.background import SaveHandle, SnapshotPool
+from ._base.errors import LoadOptionError
 from ._base.reports import LoadReport, SaveReport
 from ._base.types import PathLike
 from ._file import writer as _writer
@@ -445,7 +446,7 @@ def load(
 def _check_mmap(assignments: list[Assignment], tensors: dict[str, torch.Tensor], path: str) -> None:
     bad = [a.names[0] for a in assignments if a.cast or tensors[a.names[0]].device.type != "cpu"]
     if bad:
-        raise WeightvaultError(
+        raise LoadOptionError(
             f"{path}: mmap=True needs CPU tensors of the stored dtype, but "
             f"{capped(bad)} differ; load with mmap=False"
         )

@@ -177,17 +177,37 @@ class KerasInternalsChanged(WeightvaultError, ImportError):
     """The installed Keras lacks a private helper weightvault.keras names weights with."""
 
 
-class UnstorableValueError(WeightvaultError, TypeError):
-    """A non-tensor value of the state cannot be kept without pickle (JSON holds it not)."""
-
-
 class CollectivesRequiredError(WeightvaultError, NotImplementedError):
     """DCP's per-rank metadata mode: the vault's commit needs rank 0 to see every rank."""
 
 
 class UnsupportedStateError(WeightvaultError, TypeError):
-    """A value of the optimizer, scheduler or RNG state has no JSON or tensor form."""
+    """A value of the optimizer, scheduler, RNG or DCP state has no JSON or tensor form."""
+
+
+#: The name ``weightvault.dcp`` gave the same refusal; one class, two names.
+UnstorableValueError = UnsupportedStateError
 
 
 class TrainingStateError(WeightvaultError, ValueError):
     """The training state in a checkpoint is absent, malformed, or cannot fit the objects."""
+
+
+class ModelNotBuiltError(WeightvaultError, ValueError):
+    """The model has no variables yet (a Keras model that was never built or called)."""
+
+
+class LoadOptionError(WeightvaultError, ValueError):
+    """A load option cannot be honoured for this model (``mmap=True``, or ``tie=True``)."""
+
+
+class NameCollisionError(WeightvaultError, ValueError):
+    """Two different variables of one model would be saved under the same name."""
+
+
+class VaultBusyError(WeightvaultError, TimeoutError):
+    """Another process holds the vault (a running gc); the call waited, or changed nothing."""
+
+
+class VaultNotFoundError(WeightvaultError, FileNotFoundError):
+    """The path holds no vault, and the call only reads one (it never creates a vault)."""

@@ -1,5 +1,5 @@
 """The ``weightvault`` command line."""
 
-from .main import main
+from .app import main
 
 __all__ = ["main"]

@@ -26,13 +26,13 @@ from typing import Any
 import keras
 import numpy as np
 
-from .._base.errors import TrainingStateError, UnsupportedStateError, WeightvaultError
+from .._base.errors import TrainingStateError, UnsupportedStateError
 from .._file import layout
 from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX
 from .._file.sharing import Source
 from .._load.plan import RulesArg
-from .._training import state as _training
+from .._training import codec as _codec, state as _training
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
 from .walk import _BY_NUMPY, NAMES, _base, _dtype_name, _walk
 
@@ -154,7 +154,7 @@ def training_sources(
         params: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
         for v in variables:
             if id(v) not in names:
-                raise WeightvaultError(
+                raise TrainingStateError(
                     f"{label} holds a variable {v.path!r} of shape {list(v.shape)} that "
                     f"{type(model).__name__} does not have, so it has no name to be saved "
                     "under; build the optimizer from model.trainable_variables"
@@ -281,7 +281,7 @@ def _prepare_optimizer(
     members = []
     for v in variables:
         if id(v) not in names:
-            raise WeightvaultError(
+            raise TrainingStateError(
                 f"{label} holds a variable {v.path!r} of shape {list(v.shape)} that "
                 f"{type(model).__name__} does not have; its state cannot be found by name"
             )
@@ -313,9 +313,7 @@ def _prepare_optimizer(
     if isinstance(lr_var, keras.Variable) and isinstance(lr, (int, float)):
         assignments.append((lr_var, np.asarray(lr, dtype=np.dtype(str(lr_var.dtype)))))
     if {k: v for k, v in hyper.items() if k != "learning_rate"} != {
-        k: _training.decode_value(_training.encode_value(v, k), k)
-        for k, v in config.items()
-        if k != "learning_rate"
+        k: _codec.decode(_codec.encode(v, k), k) for k, v in config.items() if k != "learning_rate"
     }:
         plan.report.groups_kept.append(0)
     step = np.asarray(iterations, dtype=np.dtype(str(optimizer._iterations.dtype)))

@@ -17,7 +17,7 @@ import ml_dtypes  # noqa: F401 - the dtype table below needs it (bf16, fp8)
 import numpy as np
 
 from .._base.dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, numpy_dtype, unsupported
-from .._base.errors import WeightvaultError
+from .._base.errors import NameCollisionError, UnsupportedValueError
 from .._file.checkpoint import Checkpoint
 from .internals import KerasSaveable, snake_case, unique_name, walk_saveable
 
@@ -82,7 +82,7 @@ def _paths(model: Any, ours: bool) -> list[tuple[str, str, Any, Any]]:
         obj.save_own_variables(rec)
         for key, value in rec.items():
             if not isinstance(value, keras.Variable):
-                raise WeightvaultError(
+                raise UnsupportedValueError(
                     f"{type(obj).__name__} {getattr(obj, 'name', '')!r} saves a computed "
                     f"value under {key!r} instead of a variable (LoRA or quantization "
                     "merges do this); merge or disable it before saving with weightvault"
@@ -161,7 +161,7 @@ def _walk(model: Any) -> list[_Var]:
     for v in out:
         other = seen.setdefault(v.name, v)
         if other is not v and other.variable is not v.variable:
-            raise WeightvaultError(
+            raise NameCollisionError(
                 f"two variables of {type(model).__name__} get the name {v.name!r} "
                 f"(Keras paths {other.keras_name!r} and {v.keras_name!r}); rename the "
                 "attribute or layer that collides"

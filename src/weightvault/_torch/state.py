@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from .._base.background import SnapshotPool
-from .._base.errors import TrainingStateError, WeightvaultError
+from .._base.errors import TrainingStateError
 from .._file import layout
 from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX
 from .._file.sharing import Source
 from .._load.plan import RulesArg
-from .._training import state as _training
+from .._training import codec as _codec, state as _training
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
 from .tensors import _base, _bytes, _dtype_name
 
@@ -87,7 +87,7 @@ def training_sources(
             listed = []
             for p in group["params"]:
                 if id(p) not in names:
-                    raise WeightvaultError(
+                    raise TrainingStateError(
                         f"{type(optimizer).__name__} group {gi} holds a parameter of shape "
                         f"{list(p.shape)} that the model does not have, so it has no name to "
                         "be saved under; build the optimizer from the model's parameters"
@@ -112,7 +112,7 @@ def training_sources(
         doc["scheduler"] = {
             "class": type(scheduler).__name__,
             "state": {
-                k: _training.encode_value(v, f"{type(scheduler).__name__} state {k!r}")
+                k: _codec.encode(v, f"{type(scheduler).__name__} state {k!r}")
                 for k, v in state.items()
             },
         }
@@ -211,7 +211,7 @@ def _prepare_optimizer(
         members = []
         for p in group["params"]:
             if id(p) not in names:
-                raise WeightvaultError(
+                raise TrainingStateError(
                     f"{label} group {gi} holds a parameter of shape {list(p.shape)} that "
                     f"{type(model).__name__} does not have; its state cannot be found by name"
                 )
@@ -261,7 +261,7 @@ def _prepare_scheduler(
             f"{where} holds the state of a {str(doc.get('class'))[:40]} scheduler, which a "
             f"{label} cannot take; build a {str(doc.get('class'))[:40]} to resume"
         )
-    state = {k: _training.decode_value(v, where) for k, v in doc["state"].items()}
+    state = {k: _codec.decode(v, where) for k, v in doc["state"].items()}
     return lambda: scheduler.load_state_dict(state)
 
 

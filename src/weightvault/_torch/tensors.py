@@ -13,7 +13,10 @@ from typing import Any
 import torch
 
 from .._base.dtypes import FRAMEWORK_NAMES, unsupported
-from .._base.errors import UnsupportedDtypeError as UnsupportedDtypeError, WeightvaultError
+from .._base.errors import (
+    UnsupportedDtypeError as UnsupportedDtypeError,
+    UnsupportedValueError,
+)
 from .._file.checkpoint import Checkpoint, Entry
 from .._file.sharing import Source
 
@@ -65,7 +68,7 @@ def _source(
     live, t = t, t if twin is None else twin
     if t.numel() == 0 or t.device.type == "meta":
         if t.device.type == "meta":
-            raise WeightvaultError(
+            raise UnsupportedValueError(
                 f"tensor {name!r} is on the meta device and has no data; materialize the "
                 "model (for example with model.to_empty(device='cpu')) before saving"
             )

@@ -36,7 +36,6 @@ freeze or unfreeze receives the right state.
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ from .._base.errors import (
     KeyMismatchError,
     ShapeMismatchError,
     TrainingStateError,
-    UnsupportedStateError,
     WeightvaultError,
     capped,
 )
@@ -54,52 +52,9 @@ from .._base.reports import LoadReport, OptimizerReport
 from .._file.checkpoint import Checkpoint
 from .._file.layout import VERSION
 from .._load import rules as _rules
+from . import codec as _codec
 
 Rename = Callable[[str], "str | None"]
-
-
-# -- JSON values ------------------------------------------------------------------------
-
-
-def encode_value(value: Any, where: str) -> Any:
-    """``value`` as JSON, tagging what JSON lacks: ``{"$tuple": [...]}``, ``{"$float": "inf"}``.
-
-    Raises:
-        UnsupportedStateError: A value is neither JSON nor a tuple of JSON (a function, a
-            tensor, an object), naming where it was found.
-    """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"$float": repr(value)}
-    if isinstance(value, tuple):
-        return {"$tuple": [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, dict) and all(isinstance(k, str) and not k.startswith("$") for k in value):
-        return {k: encode_value(v, f"{where}[{k!r}]") for k, v in value.items()}
-    raise UnsupportedStateError(
-        f"{where} is a {type(value).__name__}, which has no JSON form; checkpoints hold "
-        "numbers, strings, lists, tuples, dicts with string keys and tensors only (no "
-        "pickle). Keep such values out of the state, or rebuild them after loading"
-    )
-
-
-def decode_value(value: Any, where: str) -> Any:
-    """The inverse of :func:`encode_value`."""
-    if isinstance(value, list):
-        return [decode_value(v, where) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"$tuple"} and isinstance(value["$tuple"], list):
-            return tuple(decode_value(v, where) for v in value["$tuple"])
-        if set(value) == {"$float"} and value["$float"] in ("inf", "-inf", "nan"):
-            return float(value["$float"])
-        if any(k.startswith("$") for k in value):
-            raise TrainingStateError(f"{where}: unknown tagged value {capped(value)}")
-        return {k: decode_value(v, where) for k, v in value.items()}
-    return value
 
 
 # -- RNG states that need no framework ----------------------------------------------------
@@ -182,7 +137,7 @@ def encode_optimizer(
         "groups": [
             {
                 "hyper": {
-                    k: encode_value(v, f"optimizer group {i} hyperparameter {k!r}")
+                    k: _codec.encode(v, f"optimizer group {i} hyperparameter {k!r}")
                     for k, v in hyper.items()
                 },
                 "params": list(names),
@@ -194,7 +149,7 @@ def encode_optimizer(
                 "shape": list(shape),
                 "tensors": dict(tensors),
                 "values": {
-                    k: encode_value(v, f"optimizer state {k!r} of parameter {name!r}")
+                    k: _codec.encode(v, f"optimizer state {k!r} of parameter {name!r}")
                     for k, v in values.items()
                 },
             }
@@ -226,7 +181,7 @@ def read_optimizer(
     try:
         groups = [
             SavedGroup(
-                {k: decode_value(v, where) for k, v in dict(g["hyper"]).items()},
+                {k: _codec.decode(v, where) for k, v in dict(g["hyper"]).items()},
                 [str(n) for n in g["params"]],
             )
             for g in doc["groups"]
@@ -244,7 +199,7 @@ def read_optimizer(
             params[str(name)] = SavedParam(
                 tuple(int(d) for d in rec["shape"]),
                 tensors,
-                {str(k): decode_value(v, where) for k, v in dict(rec["values"]).items()},
+                {str(k): _codec.decode(v, where) for k, v in dict(rec["values"]).items()},
                 owner[name],
             )
         return SavedOptimizer(str(doc["class"]), groups, params)

@@ -55,7 +55,7 @@ from .._base.errors import (
     CheckpointNameError,
     CheckpointNotFoundError,
     FormatError,
-    WeightvaultError,
+    VaultBusyError,
     capped,
 )
 from .._file.checkpoint import Checkpoint, read_fully
@@ -807,7 +807,7 @@ class Vault:
                     f"{self.url}: checkpoint {name!r} was created by another writer first; "
                     "pick another name"
                 )
-        raise WeightvaultError(f"{self.url}: could not find a free checkpoint name")
+        raise CheckpointExistsError(f"{self.url}: could not find a free checkpoint name")
 
     def _next_name(self) -> str:
         # Deleted checkpoints leave a tombstone, so a number is never handed out twice.
@@ -863,7 +863,7 @@ class Vault:
                 )
                 told = True
             if time.monotonic() > deadline:
-                raise WeightvaultError(
+                raise VaultBusyError(
                     f"{self.url}: a gc has been running for over {self.gc_wait:.0f} s "
                     f"({running[0].key}); retry later, or run 'weightvault vault ROOT gc "
                     "--break-lock' if that gc died"
@@ -889,7 +889,7 @@ class Vault:
         alive = [b for b, dead in markers if dead is None]
         if alive:
             age = time.time() - alive[0].mtime
-            raise WeightvaultError(
+            raise VaultBusyError(
                 f"{self.url}: {alive[0].key}: a gc may still be running (heartbeat "
                 f"{age:.0f} s old, under {GC_STALE_SECONDS:.0f} s); nothing was changed. Wait "
                 "for it to finish, or stop that process and retry once its heartbeat is stale"
@@ -1203,3 +1203,22 @@ class Vault:
 
     def __repr__(self) -> str:
         return f"Vault({self.url!r})"
+
+
+#: What every vault-taking API accepts: a :class:`Vault`, a path, or an fsspec URL.
+VaultLike = Vault | str | os.PathLike[str]
+
+
+def as_vault(vault: VaultLike, **options: Any) -> Vault:
+    """``vault`` itself, or the :class:`Vault` at that path or URL.
+
+    Every API that takes a vault (``VaultCallback``, ``checkout``, ``VaultCheckpointIO``,
+    ``weightvault.dcp``, Keras' ``VaultCheckpoint``) goes through this, so a path works
+    wherever a ``Vault`` does, as ``output_dir`` and ``dirpath`` do.
+
+    Example:
+        >>> import tempfile
+        >>> as_vault(tempfile.mkdtemp()).list()
+        []
+    """
+    return vault if isinstance(vault, Vault) else Vault(vault, **options)

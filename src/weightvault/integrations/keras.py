@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._base.errors import WeightvaultError
+from .._base.errors import TrainingStateError
 
 try:
     import keras
@@ -161,7 +161,7 @@ def restore(
     record = next((r for r in vault.list() if r.name == resolved), None)
     epoch = None if record is None else record.metadata.get(EPOCH_KEY)
     if epoch is None or not epoch.isdigit():
-        raise WeightvaultError(
+        raise TrainingStateError(
             f"{vault.url}: checkpoint {resolved!r} records no Keras epoch; it was not "
             "written by VaultCheckpoint. Load it with vault.load(model, name, ...) instead"
         )
@@ -169,7 +169,7 @@ def restore(
     if optimizer:
         opt = getattr(model, "optimizer", None)
         if opt is None:
-            raise WeightvaultError(
+            raise TrainingStateError(
                 f"{type(model).__name__} has no optimizer to restore into; compile it "
                 "first (model.compile(optimizer=..., loss=...)), or pass optimizer=False"
             )

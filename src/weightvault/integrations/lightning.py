@@ -20,7 +20,7 @@ import re
 from pathlib import PurePath
 from typing import Any
 
-from .._base.errors import BackendNotInstalled, WeightvaultError
+from .._base.errors import BackendNotInstalled
 
 try:
     import torch
@@ -31,7 +31,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
         "'weightvault[lightning]'"
     ) from e
 
-from .._base.errors import UnsupportedStateError
+from .._base.errors import FormatError, TrainingStateError, UnsupportedStateError
 from .._vault.vault import Vault
 from ..torch import load_file as _load_file
 
@@ -109,7 +109,7 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         with self.vault.open(checkpoint_name(path)) as ckpt:
             text = ckpt.manifest.metadata.get(STATE_KEY)
             if text is None:
-                raise WeightvaultError(
+                raise TrainingStateError(
                     f"{ckpt.path} was not saved by VaultCheckpointIO (it lacks the "
                     f"{STATE_KEY!r} metadata); resume from a checkpoint Lightning saved"
                 )
@@ -184,5 +184,5 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
         if tag == "$items" and isinstance(inner, list):
             return {_decode(k, tensors, where): _decode(v, tensors, where) for k, v in inner}
     if any(k.startswith("$") for k in value):
-        raise WeightvaultError(f"{where}: unknown tagged value {str(value)[:80]} in its state")
+        raise FormatError(f"{where}: unknown tagged value {str(value)[:80]} in its state")
     return {k: _decode(v, tensors, where) for k, v in value.items()}

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .._base.errors import BackendNotInstalled, WeightvaultError
+from .._base.errors import BackendNotInstalled
 
 try:
     import numpy as np
@@ -36,8 +36,9 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "'weightvault[transformers]'"
     ) from e
 
+from .._base.errors import TrainingStateError
 from .._torch.tensors import _base
-from .._training import state as _training
+from .._training import codec as _codec, state as _training
 from .._vault.vault import Vault
 from ..torch import load_file as _load_file, save as _save
 
@@ -170,7 +171,7 @@ def checkout(vault: Vault, name: str, folder: str | os.PathLike[str]) -> Path:
         where = ckpt.path
         state = ckpt.manifest.metadata.get(STATE_KEY)
         if state is None or ckpt.manifest.training is None:
-            raise WeightvaultError(
+            raise TrainingStateError(
                 f"{where} was not saved by VaultCallback: it lacks the Trainer state or the "
                 "training state; save with VaultCallback to resume a Trainer from it"
             )
@@ -247,14 +248,14 @@ def _known(ckpt: Any, name: str) -> bool:
 def _scheduler_state(training: dict[str, Any], where: str) -> dict[str, Any]:
     doc = training.get("scheduler")
     if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
-        raise WeightvaultError(f"{where} holds no scheduler state; it cannot resume a Trainer")
-    return {k: _training.decode_value(v, where) for k, v in doc["state"].items()}
+        raise TrainingStateError(f"{where} holds no scheduler state; it cannot resume a Trainer")
+    return {k: _codec.decode(v, where) for k, v in doc["state"].items()}
 
 
 def _rng_state(ckpt: Any, training: dict[str, Any], where: str) -> dict[str, Any]:
     doc = training.get("rng")
     if not isinstance(doc, dict) or not isinstance(doc.get("torch"), str):
-        raise WeightvaultError(f"{where} holds no RNG state; it cannot resume a Trainer")
+        raise TrainingStateError(f"{where} holds no RNG state; it cannot resume a Trainer")
     version, internal, gauss = doc["python"]
     kind, keys, pos, has_gauss, cached = doc["numpy"]
     out: dict[str, Any] = {
