@@ -38,6 +38,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ._base.background import SnapshotPool
 from ._base.dtypes import ITEMSIZE, numpy_dtype, unsupported
 from ._base.errors import (
     BackendNotInstalled,
@@ -590,3 +591,30 @@ def owns(obj: Any) -> bool:
 def sources(obj: Any) -> tuple[list[Source], list[str]]:
     """``(sources, skipped)`` of a module or pytree, as :func:`save` would store them."""
     return _sources(obj)
+
+
+def checkpoint_sources(
+    obj: Any,
+    *,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    rng: bool = False,
+    snapshot: SnapshotPool | None = None,
+) -> tuple[list[Source], list[str], dict[str, Any] | None]:
+    """Every value as a source, for the vault; copied now when ``snapshot`` is given.
+
+    Raises:
+        TypeError: ``optimizer``, ``scheduler`` or ``rng`` was given: weightvault.jax has no
+            training state to save.
+    """
+    if optimizer is not None or scheduler is not None or rng:
+        raise TypeError(
+            "weightvault.jax: the vault saves no optimizer, scheduler or RNG state here; "
+            "save the model alone, or keep the optimizer state in the tree you save"
+        )
+    found, skipped = sources(obj)
+    if snapshot is not None:
+        # Arrays can change in place after the call (numpy) or be replaced in the module
+        # (NNX); a background save must write the values of the call.
+        found = [s.copied() for s in found]
+    return found, skipped, None

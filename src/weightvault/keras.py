@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ._base.background import SnapshotPool
 from ._base.errors import BackendNotInstalled, capped
 
 try:
@@ -153,33 +154,28 @@ def checkpoint_sources(
     optimizer: Any = None,
     scheduler: Any = None,
     rng: bool = False,
-    snapshot: bool = False,
+    snapshot: SnapshotPool | None = None,
 ) -> tuple[list[Source], list[str], dict[str, Any] | None]:
     """Model, optimizer and RNG as sources plus the manifest's training section.
 
-    With ``snapshot``, every variable that training can change (all but frozen ones; on
-    JAX all) is copied now, so a background save writes the values of the call.
+    With ``snapshot`` (a background save), every variable that training can change (all
+    but frozen ones; on JAX all) is copied now, so the save writes the values of the call.
     """
     from ._keras import state as _keras_state
 
     _keras_state.refuse_scheduler(scheduler)
     sources, skipped = _sources(obj)
-    if snapshot:
+    if snapshot is not None:
         # Keras' JAX train step donates every variable's buffer, frozen ones included, so
         # there a live read could meet a deleted array: copy them all.
         live_frozen = keras.backend.backend() != "jax"
-        sources = [s if s.frozen and live_frozen else _copied(s) for s in sources]
+        sources = [s if s.frozen and live_frozen else s.copied() for s in sources]
     if optimizer is None and not rng:
         return sources, skipped, None
     if isinstance(obj, Mapping):
         raise TypeError("optimizer= and rng= need the Keras model, not a dict of variables")
     extra, training = _keras_state.training_sources(obj, optimizer=optimizer, rng=rng)
     return sources + extra, skipped, training
-
-
-def _copied(s: Source) -> Source:
-    data = bytes(s.data())
-    return Source(s.name, s.dtype, s.shape, s.identity, lambda: memoryview(data), s.frozen)
 
 
 def save(

@@ -142,7 +142,7 @@ def checkpoint_sources(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     rng: bool = False,
-    snapshot: bool | SnapshotPool = False,
+    snapshot: SnapshotPool | None = None,
 ) -> tuple[list[Source], list[str], dict[str, Any] | None]:
     """Model, optimizer, scheduler and RNG as sources plus the manifest's training section.
 
@@ -151,9 +151,10 @@ def checkpoint_sources(
     """
     from ._torch import state as _torch_state
 
-    sources, skipped = _sources(obj, snapshot=snapshot)
+    copy: bool | SnapshotPool = False if snapshot is None else snapshot
+    sources, skipped = _sources(obj, snapshot=copy)
     extra, training = _torch_state.training_sources(
-        obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
+        obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=copy
     )
     return sources + extra, skipped, training
 
@@ -215,7 +216,11 @@ def save(
         _pending.settle()  # one save at a time, in order
         _pending = None
     sources, skipped, training = checkpoint_sources(
-        obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=background
+        obj,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        rng=rng,
+        snapshot=SnapshotPool() if background else None,  # fresh buffers: nothing to reuse
     )
 
     def write() -> SaveReport:

@@ -64,6 +64,16 @@ class Source:
     def nbytes(self) -> int:
         return numel(self.shape) * ITEMSIZE[self.dtype]
 
+    def copied(self) -> Source:
+        """This source with its bytes read now, for a save that finishes in the background.
+
+        Training may change the tensor after the call; the copy keeps the call's values.
+        """
+        data = bytes(self.data())
+        return Source(
+            self.name, self.dtype, self.shape, self.identity, lambda: memoryview(data), self.frozen
+        )
+
     def span(self) -> tuple[int, int]:
         """Byte range ``[start, end)`` of ``storage`` that this tensor reads."""
         return (self.offset, self.offset + span(self.dtype, self.shape, self.stride))

@@ -8,8 +8,12 @@ An adapter is a module ``weightvault.<framework>`` that offers, besides its publ
 - ``sources(obj)``: ``(sources, skipped)``, every value as a :class:`~._plan.Source`;
 - ``load(model, checkpoint, *, verify, **options)``: fill ``model`` from a
   :class:`~._reader.Checkpoint`, as the public ``load`` does from a path;
-- optionally ``checkpoint_sources(obj, *, optimizer, scheduler, rng, snapshot)``, for
-  training state and background saves.
+- ``checkpoint_sources(obj, *, optimizer, scheduler, rng, snapshot)``: the sources plus
+  optimizer, scheduler and RNG state and the manifest's training section; with
+  ``snapshot`` (the vault's :class:`~.._base.background.SnapshotPool`, given for a
+  background save) every value training can change is copied at the call, into the
+  pool's reused buffers where the framework can. An adapter without training state
+  raises ``TypeError`` when asked for it.
 
 A new framework is one module and one line in :data:`ADAPTERS`. The vault imports an
 adapter only when an object of its framework's packages arrives, so a missing framework
@@ -22,6 +26,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
+from .._base.background import SnapshotPool
 from .._file.sharing import Source
 
 __all__ = ["ADAPTERS", "Adapter", "adapter_for"]
@@ -42,6 +47,18 @@ class Adapter(Protocol):
 
     def load(self, model: Any, path: Any, *, verify: bool = ..., **options: Any) -> Any:
         """Fill ``model`` from ``path`` (a path or an open checkpoint)."""
+        ...
+
+    def checkpoint_sources(
+        self,
+        obj: Any,
+        *,
+        optimizer: Any = ...,
+        scheduler: Any = ...,
+        rng: bool = ...,
+        snapshot: SnapshotPool | None = ...,
+    ) -> tuple[list[Source], list[str], dict[str, Any] | None]:
+        """Sources with training state, copied now when ``snapshot`` is given."""
         ...
 
 

@@ -607,21 +607,15 @@ class Vault:
                 )
         adapter = adapter_for(model)
         training: dict[str, Any] | None = None
-        training_hook = getattr(adapter, "checkpoint_sources", None)
         if optimizer is None and scheduler is None and not rng and not background:
             sources, _ = adapter.sources(model)
-        elif training_hook is not None:
-            # Torch copies into the previous snapshot's buffers; other adapters take a bool.
-            snapshot: bool | SnapshotPool = background
-            if background and adapter.FRAMEWORK == "pt":
-                snapshot = self._snapshots
-            sources, _, training = training_hook(
-                model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
-            )
         else:
-            raise TypeError(
-                f"{adapter.FRAMEWORK} models: the vault cannot save optimizer, scheduler or "
-                "RNG state, nor save in the background, yet; save the model alone"
+            sources, _, training = adapter.checkpoint_sources(
+                model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                rng=rng,
+                snapshot=self._snapshots if background else None,
             )
         # Refused now (not in a background thread, nor when the checkpoint is exported to a
         # single file).
