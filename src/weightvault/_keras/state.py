@@ -26,13 +26,14 @@ from typing import Any
 import keras
 import numpy as np
 
+from .. import _training
 from .._base.errors import TrainingStateError, UnsupportedStateError
 from .._file import layout
 from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX
 from .._file.sharing import Source
 from .._load.plan import RulesArg
-from .._training import codec as _codec, state as _training
+from .._training import codec as _codec
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
 from .walk import _BY_NUMPY, NAMES, _base, _dtype_name, _walk
 

@@ -2,8 +2,9 @@
 
 The source is opened by bytes (MXNet ``.params``, torch ``.pt``/``.bin``, Keras
 ``.weights.h5``, ``.npz``, safetensors); its names, optionally renamed, become
-:class:`~weightvault._plan.Source` records and go through the same
-:func:`~weightvault._plan.plan` and :func:`~weightvault._writer.write` as a save. Ties
+:class:`~weightvault._file.sharing.Source` records and go through the same
+:func:`~weightvault._file.sharing.plan` and :func:`~weightvault._file.writer.save_sources`
+as a save. Ties
 and views the source records are kept. Copies are found by content: stored under every
 name by default, so plain safetensors readers see them all, or stored once with
 ``dedupe_copies=True``, so a Gluon file saved with four copies of one layer is written
@@ -23,6 +24,7 @@ from .._file.checkpoint import Checkpoint, Entry
 from .._file.layout import is_training
 from .._file.sharing import Source
 from .._load import rules as _rules
+from .._training.state import stored_name
 from ..formats._open import opened
 
 
@@ -156,21 +158,34 @@ def convert(
     """
     checked = _rules.check(rules)
     with opened(src) as ckpt:
-        # Stored tensors are passed on as they are; only views are gathered, at most a
-        # few times each (fingerprint, comparison, write).
-        gathered = sum(e.nbytes for e in ckpt.entries.values() if e.view is not None)
-        ckpt.materializing(gathered, f"gathering {len(ckpt.manifest.views)} views", max_bytes)
-        metadata = {"converted_from": os.path.basename(ckpt.path)}
-        metadata["source_format"] = str(getattr(ckpt, "format", None) or "safetensors")
+        _budget_views(ckpt, max_bytes)
         return rewrite(
             ckpt,
             dst,
             rules=checked,
-            metadata=metadata,
+            metadata=_provenance(ckpt),
             dry_run=dry_run,
             checksum=checksum,
             dedupe_copies=dedupe_copies,
         )
+
+
+def _budget_views(ckpt: Checkpoint, max_bytes: int | None) -> None:
+    """Refuse a source whose views would gather more than ``max_bytes``.
+
+    Stored tensors are passed on as they are; only views are gathered, at most a few
+    times each (fingerprint, comparison, write).
+    """
+    gathered = sum(e.nbytes for e in ckpt.entries.values() if e.view is not None)
+    ckpt.materializing(gathered, f"gathering {len(ckpt.manifest.views)} views", max_bytes)
+
+
+def _provenance(ckpt: Checkpoint) -> dict[str, str]:
+    """The converted file's metadata: the source's file name and format."""
+    return {
+        "converted_from": os.path.basename(ckpt.path),
+        "source_format": str(getattr(ckpt, "format", None) or "safetensors"),
+    }
 
 
 def rewrite(
@@ -218,14 +233,14 @@ def _training_sources(ckpt: Checkpoint) -> list[Source]:
     names = [n for n in [*ckpt.stored, *m.copies, *m.aliases] if is_training(n)]
     out: list[Source] = []
     for name in dict.fromkeys(names):
-        target = m.aliases.get(name, name)
-        stored = m.copies.get(target, target)
-        if stored not in ckpt.stored:
+        stored = stored_name(ckpt, name)
+        if stored is None:
             continue  # views are never training state; the loader reports what is missing
         info = ckpt.stored[stored]
 
         def data(stored: str = stored) -> memoryview:
             return ckpt.raw(stored)
 
+        target = m.aliases.get(name, name)
         out.append(Source(name, info.dtype, info.shape, ("training", target), data))
     return out

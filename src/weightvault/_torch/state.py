@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _training
 from .._base.background import SnapshotPool
 from .._base.errors import TrainingStateError
 from .._file import layout
@@ -19,7 +20,7 @@ from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX
 from .._file.sharing import Source
 from .._load.plan import RulesArg
-from .._training import codec as _codec, state as _training
+from .._training import codec as _codec
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
 from .tensors import _base, _bytes, _dtype_name
 

@@ -15,24 +15,21 @@ resumes from the vault. No pickle is written or read.
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import PurePath
 from typing import Any
 
-from .._base.errors import BackendNotInstalled
+from ._common import discard, not_installed
 
 try:
     import torch
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 except ImportError as e:  # pragma: no cover - exercised only without lightning
-    raise BackendNotInstalled(
-        "weightvault.integrations.lightning needs Lightning and PyTorch: pip install "
-        "'weightvault[lightning]'"
-    ) from e
+    raise not_installed("lightning", "Lightning and PyTorch") from e
 
-from .._base.errors import FormatError, TrainingStateError, UnsupportedStateError
-from .._vault.vault import Vault
+from .._base.errors import TrainingStateError
+from .._training import codec as _codec
+from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file
 
 __all__ = ["VaultCheckpointIO", "checkpoint_name"]
@@ -41,6 +38,13 @@ __all__ = ["VaultCheckpointIO", "checkpoint_name"]
 STATE_KEY = "lightning"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+#: A step of the codec's ``where`` (``['state_dict']``, ``[0]``), a folder of a tensor's name.
+_STEP = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+#: The one fix the codec suggests for a value without JSON form.
+_HINT = (
+    "Keep it out of the Lightning checkpoint (for example save_hyperparameters(ignore=[...])) "
+    "or turn it into one of those types"
+)
 
 
 def checkpoint_name(path: Any) -> str:
@@ -63,17 +67,18 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
     """A Lightning ``CheckpointIO`` that keeps checkpoints in a :class:`~weightvault.Vault`.
 
     Args:
-        vault: Where checkpoints go.
+        vault: Where checkpoints go: a :class:`~weightvault.Vault`, or its path or URL
+            (``"runs/vault"``, ``"s3://bucket/vault"``).
 
     Example:
-        >>> trainer = Trainer(max_epochs=3, plugins=[VaultCheckpointIO(vault)],
+        >>> trainer = Trainer(max_epochs=3, plugins=[VaultCheckpointIO("runs/vault")],
         ...                   callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=-1)])
         >>> trainer.fit(model)
         >>> trainer.fit(model, ckpt_path="checkpoints/epoch=0-step=4.ckpt")  # resumes
     """
 
-    def __init__(self, vault: Vault) -> None:
-        self.vault = vault
+    def __init__(self, vault: VaultLike) -> None:
+        self.vault = as_vault(vault)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -88,10 +93,9 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         """
         name = checkpoint_name(path)
         tensors: dict[str, torch.Tensor] = {}
-        doc = _encode(checkpoint, "checkpoint", tensors)
+        doc = _codec.encode(checkpoint, "checkpoint", tensor=_collect(tensors), hint=_HINT)
         text = json.dumps(doc, allow_nan=False)
-        if any(r.name == name for r in self.vault.list()):
-            self.vault.delete(name)
+        discard(self.vault, name)
         self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
 
     def load_checkpoint(
@@ -116,73 +120,30 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             tensors = _load_file(ckpt, verify=True)
         if isinstance(map_location, (str, torch.device)):
             tensors = {k: v.to(map_location) for k, v in tensors.items()}
-        out = _decode(json.loads(text), tensors, ckpt.path)
+        out = _codec.decode(json.loads(text), ckpt.path, tensors=tensors)
         assert isinstance(out, dict)
         return out
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""
-        name = checkpoint_name(path)
-        if any(r.name == name for r in self.vault.list()):
-            self.vault.delete(name)
+        discard(self.vault, checkpoint_name(path))
 
 
-def _encode(value: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """``value`` as JSON; tensors go to ``tensors`` under their key path, tagged ``$tensor``.
+def _collect(tensors: dict[str, torch.Tensor]) -> _codec.TensorHook:
+    """The codec's tensor hook: a tensor goes to ``tensors`` under its key path.
 
-    Tags: ``$tensor``, ``$tuple``, ``$float`` (non-finite), ``$items`` (a dict whose keys
-    are not all plain strings, such as an optimizer's ``{0: {...}}``).
+    ``checkpoint['state_dict']['net.0.weight']`` is stored as ``state_dict/net.0.weight``;
+    a second tensor at the same path (a key holding ``/``) gets ``#<n>`` appended.
     """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
-    if isinstance(value, torch.Tensor):
-        name = where.removeprefix("checkpoint")
-        name = re.sub(r"\[(?:'([^']*)'|(\d+))\]", lambda m: "/" + (m[1] or m[2]), name)
+
+    def store(value: Any, where: str) -> str | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        name = _STEP.sub(lambda m: "/" + (m[1] or m[2]), where.removeprefix("checkpoint"))
         name = name.lstrip("/") or "tensor"
         if name in tensors:
             name = f"{name}#{len(tensors)}"
         tensors[name] = value.detach()
-        return {"$tensor": name}
-    if isinstance(value, tuple):
-        return {"$tuple": [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: _encode(v, f"{where}[{k!r}]", tensors) for k, v in value.items()}
-        return {
-            "$items": [
-                [_encode(k, f"{where} key {k!r}", tensors), _encode(v, f"{where}[{k!r}]", tensors)]
-                for k, v in value.items()
-            ]
-        }
-    raise UnsupportedStateError(
-        f"Lightning checkpoint value {where} is a {type(value).__name__}, which has no JSON "
-        "form; VaultCheckpointIO stores tensors, numbers, strings, lists, tuples and dicts "
-        "(never pickle). Keep it out of the checkpoint (for example save_hyperparameters("
-        "ignore=[...])) or turn it into one of those types"
-    )
+        return name
 
-
-def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, tensors, where) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if len(value) == 1:
-        ((tag, inner),) = value.items()
-        if tag == "$tensor" and inner in tensors:
-            return tensors[inner]
-        if tag == "$tuple" and isinstance(inner, list):
-            return tuple(_decode(v, tensors, where) for v in inner)
-        if tag == "$float" and inner in ("inf", "-inf", "nan"):
-            return float(inner)
-        if tag == "$items" and isinstance(inner, list):
-            return {_decode(k, tensors, where): _decode(v, tensors, where) for k, v in inner}
-    if any(k.startswith("$") for k in value):
-        raise FormatError(f"{where}: unknown tagged value {str(value)[:80]} in its state")
-    return {k: _decode(v, tensors, where) for k, v in value.items()}
+    return store

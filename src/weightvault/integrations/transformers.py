@@ -19,27 +19,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .._base.errors import BackendNotInstalled
+from ._common import discard, not_installed
 
 try:
-    import numpy as np
     import torch
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as e:  # pragma: no cover - exercised only without transformers
-    raise BackendNotInstalled(
-        "weightvault.integrations.transformers needs transformers and PyTorch: pip install "
-        "'weightvault[transformers]'"
-    ) from e
+    raise not_installed("transformers", "transformers and PyTorch") from e
 
+from .. import _training
 from .._base.errors import TrainingStateError
+from .._file.checkpoint import Checkpoint
 from .._torch.tensors import _base
-from .._training import codec as _codec, state as _training
-from .._vault.vault import Vault
+from .._training import codec as _codec
+from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
 
 __all__ = ["VaultCallback", "checkout", "resume"]
@@ -64,7 +61,8 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
     untouched: the final parameters are bitwise equal to a run without the callback.
 
     Args:
-        vault: Where checkpoints go.
+        vault: Where checkpoints go: a :class:`~weightvault.Vault`, or its path or URL
+            (``"runs/vault"``, ``"s3://bucket/vault"``).
         background: Copy what training changes (trainable weights, buffers, optimizer
             state) at the save step and write in a thread while training continues. The
             next save, and the end of training, wait for it.
@@ -76,8 +74,8 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         ['checkpoint-2', 'checkpoint-4', 'checkpoint-6']
     """
 
-    def __init__(self, vault: Vault, *, background: bool = False) -> None:
-        self.vault = vault
+    def __init__(self, vault: VaultLike, *, background: bool = False) -> None:
+        self.vault = as_vault(vault)
         self.background = background
         self._pending: Any = None
 
@@ -99,10 +97,9 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         callbacks["TrainerControl"] = control.state()
         doc = json.dumps(dataclasses.asdict(state), sort_keys=True)
         name = f"checkpoint-{state.global_step}"
-        if any(r.name == name for r in self.vault.list()):
-            # A run resumed from an earlier step replaces the later checkpoints of the run
-            # it left, as the Trainer overwrites its folders.
-            self.vault.delete(name)
+        # A run resumed from an earlier step replaces the later checkpoints of the run it
+        # left, as the Trainer overwrites its folders.
+        discard(self.vault, name)
         result = self.vault.save(
             kwargs["model"],
             name,
@@ -139,7 +136,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
             self.vault.retain(keep_last=args.save_total_limit)
 
 
-def checkout(vault: Vault, name: str, folder: str | os.PathLike[str]) -> Path:
+def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Path:
     """Write checkpoint ``name`` as a folder ``trainer.train(resume_from_checkpoint=...)`` reads.
 
     The folder holds ``model.safetensors`` (every weight, tied ones as aliases),
@@ -149,7 +146,7 @@ def checkout(vault: Vault, name: str, folder: str | os.PathLike[str]) -> Path:
     format. weightvault never reads them back.
 
     Args:
-        vault: The vault the :class:`VaultCallback` saved into.
+        vault: The vault the :class:`VaultCallback` saved into, or its path or URL.
         name: A checkpoint name (``checkpoint-4``) or ``"latest"``.
         folder: Where to write; created if needed. Files of the same names are replaced.
 
@@ -159,15 +156,15 @@ def checkout(vault: Vault, name: str, folder: str | os.PathLike[str]) -> Path:
     Raises:
         CheckpointNotFoundError: The vault has no checkpoint ``name``.
         ChecksumError: An object of the checkpoint is damaged (nothing is written).
-        WeightvaultError: The checkpoint was not saved by :class:`VaultCallback` (it lacks
-            the Trainer state, the optimizer, the scheduler or the RNG states).
+        TrainingStateError: The checkpoint was not saved by :class:`VaultCallback` (it
+            lacks the Trainer state, the optimizer, the scheduler or the RNG states).
 
     Example:
         >>> folder = checkout(vault, "latest", "resume/")
         >>> trainer.train(resume_from_checkpoint=str(folder))
     """
     out = Path(folder)
-    with vault.open(name) as ckpt:
+    with as_vault(vault).open(name) as ckpt:
         where = ckpt.path
         state = ckpt.manifest.metadata.get(STATE_KEY)
         if state is None or ckpt.manifest.training is None:
@@ -190,37 +187,43 @@ def checkout(vault: Vault, name: str, folder: str | os.PathLike[str]) -> Path:
     return out
 
 
-def resume(trainer: Any, vault: Vault, name: str = "latest", **train_kwargs: Any) -> Any:
+def resume(trainer: Any, vault: VaultLike, name: str = "latest", **train_kwargs: Any) -> Any:
     """Resume ``trainer`` from vault checkpoint ``name`` in one call.
 
     Checks the checkpoint out into a temporary folder (removed afterwards) and calls
-    ``trainer.train(resume_from_checkpoint=...)``.
+    ``trainer.train(resume_from_checkpoint=...)``. ``vault`` may be a path or URL.
 
     Returns:
         What ``trainer.train`` returns.
 
     Example:
-        >>> resume(trainer, vault, "checkpoint-2")
+        >>> resume(trainer, "runs/vault", "checkpoint-2")
     """
     with tempfile.TemporaryDirectory(prefix="weightvault-resume-") as tmp:
         folder = checkout(vault, name, tmp)
         return trainer.train(resume_from_checkpoint=str(folder), **train_kwargs)
 
 
-def _tensor(ckpt: Any, stored_name: str) -> torch.Tensor:
-    m = ckpt.manifest
-    alias = m.aliases.get(stored_name, stored_name)
-    stored = m.copies.get(alias, alias)
+def _tensor(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """A tensor of its own (never the file mapping) for a training-state name."""
+    stored = _training.stored_name(ckpt, name)
+    if stored is None:
+        raise TrainingStateError(
+            f"{ckpt.path}: its training state names tensor {name!r}, which the checkpoint "
+            "does not hold; the checkpoint is damaged: resume from another one"
+        )
     return _base(ckpt, stored, mmap=False).clone()
 
 
-def _optimizer_state(ckpt: Any, training: dict[str, Any], where: str) -> dict[str, Any]:
+def _optimizer_state(ckpt: Checkpoint, training: dict[str, Any], where: str) -> dict[str, Any]:
     """The positional ``optimizer.state_dict()`` the Trainer's optimizer takes.
 
     The Trainer builds its optimizer the same way on resume, so the saved groups, in their
     saved order, give each parameter its position.
     """
-    saved = _training.read_optimizer(training, lambda n: _known(ckpt, n), where)
+    saved = _training.read_optimizer(
+        training, lambda n: _training.stored_name(ckpt, n) is not None, where
+    )
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
@@ -239,12 +242,6 @@ def _optimizer_state(ckpt: Any, training: dict[str, Any], where: str) -> dict[st
     return {"state": state, "param_groups": groups}
 
 
-def _known(ckpt: Any, name: str) -> bool:
-    m = ckpt.manifest
-    alias = m.aliases.get(name, name)
-    return m.copies.get(alias, alias) in ckpt.stored
-
-
 def _scheduler_state(training: dict[str, Any], where: str) -> dict[str, Any]:
     doc = training.get("scheduler")
     if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
@@ -252,26 +249,18 @@ def _scheduler_state(training: dict[str, Any], where: str) -> dict[str, Any]:
     return {k: _codec.decode(v, where) for k, v in doc["state"].items()}
 
 
-def _rng_state(ckpt: Any, training: dict[str, Any], where: str) -> dict[str, Any]:
+def _rng_state(ckpt: Checkpoint, training: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``rng_state.pth`` dict the Trainer restores; validated before anything is written."""
     doc = training.get("rng")
     if not isinstance(doc, dict) or not isinstance(doc.get("torch"), str):
         raise TrainingStateError(f"{where} holds no RNG state; it cannot resume a Trainer")
-    version, internal, gauss = doc["python"]
-    kind, keys, pos, has_gauss, cached = doc["numpy"]
     out: dict[str, Any] = {
-        "python": (int(version), tuple(int(x) for x in internal), gauss),
-        "numpy": (
-            str(kind),
-            np.asarray(keys, dtype=np.uint32),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ),
+        "python": _training.python_state(doc.get("python"), where),
+        "numpy": _training.numpy_state(doc.get("numpy"), where),
         "cpu": _tensor(ckpt, doc["torch"]),
     }
     cuda = doc.get("cuda") or []
     if cuda and torch.cuda.is_available():
         # The Trainer restores one device's state outside distributed runs.
         out["cuda"] = _tensor(ckpt, cuda[0])
-    random.Random().setstate(out["python"])  # validates before anything is written
     return out

@@ -1,0 +1,36 @@
+"""What the training-loop integrations share: their import guard and checkpoint replacement.
+
+Example:
+    >>> str(not_installed("lightning", "Lightning and PyTorch")).split(": ")[1]
+    "pip install 'weightvault[lightning]'"
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
+from .._vault.vault import Vault
+
+
+def not_installed(extra: str, needs: str) -> BackendNotInstalled:
+    """The error for ``weightvault.integrations.<extra>`` imported without its framework.
+
+    Args:
+        extra: The module's name, which is also the pip extra that installs what it needs.
+        needs: What is missing, in words (``"transformers and PyTorch"``).
+    """
+    return BackendNotInstalled(
+        f"weightvault.integrations.{extra} needs {needs}: pip install 'weightvault[{extra}]'"
+    )
+
+
+def discard(vault: Vault, name: str) -> None:
+    """Delete checkpoint ``name`` if the vault holds it, so a save of that name can follow.
+
+    Training loops overwrite their checkpoint files (a resumed run steps past the point it
+    left again), and a vault refuses a second checkpoint of one name; the integrations
+    replace it instead. A vault not created yet holds nothing to delete.
+    """
+    with contextlib.suppress(CheckpointNotFoundError, VaultNotFoundError):
+        vault.delete(name)
