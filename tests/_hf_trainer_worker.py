@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import weightvault
 import weightvault.torch as wv
 from weightvault.integrations.transformers import VaultCallback, checkout, resume
 
@@ -72,8 +71,7 @@ def params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    vault_dir, name, seed, out = sys.argv[1:5]
-    vault = weightvault.Vault(vault_dir)
+    vault, name, seed, out = sys.argv[1:5]  # the vault as a path, as users pass it
     m = model(int(seed))
     folder = Path(out).parent / "run"
     t = trainer(m, folder, [VaultCallback(vault)])

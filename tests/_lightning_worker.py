@@ -52,8 +52,8 @@ class Tiny(L.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
 
 
-def fit(root: Path, *, vault: weightvault.Vault | None = None, ckpt: str | None = None,
-        seed: int = 0) -> Tiny:  # fmt: skip
+def fit(root: Path, *, vault: weightvault.Vault | str | os.PathLike[str] | None = None,
+        ckpt: str | None = None, seed: int = 0) -> Tiny:  # fmt: skip
     L.seed_everything(seed, verbose=False)
     model = Tiny()
     trainer = L.Trainer(
@@ -73,7 +73,7 @@ def params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     root, ckpt, out = sys.argv[1:4]
-    vault = weightvault.Vault(sys.argv[4]) if len(sys.argv) > 4 else None
+    vault = sys.argv[4] if len(sys.argv) > 4 else None  # a path: VaultCheckpointIO opens it
     model = fit(Path(root), vault=vault, ckpt=ckpt, seed=5)
     wv.save(params(model), out)
     os._exit(0)

@@ -122,6 +122,20 @@ def test_non_string_keys_tuples_and_special_floats_round_trip(tmp_path: Path) ->
     assert vault.list() == []
 
 
+@pytest.mark.parametrize("kind", [str, Path])
+def test_the_vault_may_be_given_as_a_path(kind: type, tmp_path: Path) -> None:
+    """``VaultCheckpointIO("runs/vault")`` saves, loads and removes as with a ``Vault``."""
+    folder = tmp_path / "runs" / "vault"
+    lw.fit(tmp_path / "run", vault=kind(folder))
+    names = ["epoch_0-step_4", "epoch_1-step_8", "epoch_2-step_12"]
+    assert [r.name for r in weightvault.Vault(folder).list()] == names
+    io = VaultCheckpointIO(kind(folder))
+    back = io.load_checkpoint(tmp_path / "run" / "ckpts" / "epoch=2-step=12.ckpt")
+    assert back["global_step"] == 12
+    io.remove_checkpoint("epoch=0-step=4.ckpt")
+    assert [r.name for r in weightvault.Vault(folder).list()] == names[1:]
+
+
 def test_checkpoint_names_follow_the_file_name() -> None:
     assert checkpoint_name("ckpts/epoch=0-step=4.ckpt") == "epoch_0-step_4"
     assert checkpoint_name("/x/last.ckpt") == "last"

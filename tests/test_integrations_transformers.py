@@ -17,7 +17,7 @@ import weightvault.torch as wv
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _hf_trainer_worker as hf
-from weightvault.integrations.transformers import VaultCallback, checkout
+from weightvault.integrations.transformers import VaultCallback, checkout, resume
 
 WORKER = str(Path(__file__).parent / "_hf_trainer_worker.py")
 
@@ -165,3 +165,22 @@ def test_save_total_limit_is_vault_retention_and_background_saves_match(
     final = wv.load_file(vault.open("checkpoint-6"))
     for name, value in params.items():
         assert torch.equal(value, final[name]), name
+
+
+@pytest.mark.parametrize("kind", [str, Path])
+def test_the_vault_may_be_given_as_a_path(kind: type, tmp_path: Path) -> None:
+    """``VaultCallback``, ``checkout`` and ``resume`` take ``"runs/vault"`` as a ``Vault``."""
+    folder = tmp_path / "runs" / "vault"
+    m = hf.model(0)
+    hf.trainer(m, tmp_path / "out", [VaultCallback(kind(folder))], max_steps=4).train()
+    assert [r.name for r in weightvault.Vault(folder).list()] == ["checkpoint-2", "checkpoint-4"]
+    trained = hf.params(m)
+
+    weights = wv.load_file(checkout(kind(folder), "latest", tmp_path / "co") / "model.safetensors")
+    for name, value in trained.items():
+        assert torch.equal(value, weights[name]), name
+
+    again = hf.model(7)
+    resume(hf.trainer(again, tmp_path / "again", [], max_steps=4), kind(folder), "checkpoint-2")
+    for name, value in trained.items():
+        assert torch.equal(value, hf.params(again)[name]), name
