@@ -122,6 +122,38 @@ def test_non_string_keys_tuples_and_special_floats_round_trip(tmp_path: Path) ->
     assert vault.list() == []
 
 
+#: What VaultCheckpointIO wrote before it used the one codec, for the checkpoint below.
+OLD_TEXT = (
+    '{"epoch": 0, "state_dict": {"w": {"$tensor": "state_dict/w"}}, '
+    '"state": {"$items": [[0, {"step": {"$tensor": "state/0/step"}}]]}, '
+    '"betas": {"$tuple": [0.9, 0.999]}, "best": {"$float": "inf"}}'
+)
+
+
+def test_checkpoints_are_written_and_read_as_before_the_one_codec(tmp_path: Path) -> None:
+    vault = weightvault.Vault(tmp_path / "vault")
+    io = VaultCheckpointIO(vault)
+    w, step = torch.arange(3.0), torch.tensor(2.0)
+    checkpoint = {
+        "epoch": 0,
+        "state_dict": {"w": w},
+        "state": {0: {"step": step}},
+        "betas": (0.9, 0.999),
+        "best": float("inf"),
+    }
+    io.save_checkpoint(checkpoint, "new.ckpt")
+    assert vault.list()[0].metadata["lightning"] == OLD_TEXT
+
+    # A checkpoint the earlier code stored loads as it did.
+    tensors = {"state_dict/w": w, "state/0/step": step}
+    vault.save(tensors, "old", metadata={"lightning": OLD_TEXT, "path": "old.ckpt"})
+    back = io.load_checkpoint("old.ckpt")
+    assert sorted(back) == sorted(checkpoint)
+    assert torch.equal(back["state_dict"]["w"], w)
+    assert torch.equal(back["state"][0]["step"], step)
+    assert back["betas"] == (0.9, 0.999) and back["best"] == float("inf")
+
+
 @pytest.mark.parametrize("kind", [str, Path])
 def test_the_vault_may_be_given_as_a_path(kind: type, tmp_path: Path) -> None:
     """``VaultCheckpointIO("runs/vault")`` saves, loads and removes as with a ``Vault``."""
