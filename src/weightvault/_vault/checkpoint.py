@@ -13,15 +13,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base.errors import FormatError
-from .._file.checkpoint import Checkpoint, read_fully
+from .._file.checkpoint import read_fully
 from .dcp_record import KIND, DcpCheckpoint
 from .objects import (
     DIGEST,
+    ObjectCheckpoint,
     checksum,
     content_hash,
     damaged,
     object_key,
-    object_size,
     read_object,
 )
 from .records import parse_header_text, parse_record, record_key
@@ -30,8 +30,11 @@ from .store import Store
 __all__ = ["VaultCheckpoint", "open_record"]
 
 
-class VaultCheckpoint(Checkpoint):
-    """One vault checkpoint, read through the same interface as a single file."""
+class VaultCheckpoint(ObjectCheckpoint):
+    """One vault checkpoint, read through the same interface as a single file.
+
+    ``objects`` maps each stored tensor to its object.
+    """
 
     def __init__(self, store: Store, name: str, doc: Mapping[str, Any]) -> None:
         where = f"{store.url}/{record_key(name)}"
@@ -44,34 +47,13 @@ class VaultCheckpoint(Checkpoint):
             isinstance(h, str) and DIGEST.fullmatch(h) for h in objects.values()
         ):
             raise FormatError(f"{where}: objects do not match the stored tensors")
-        self.store = store
-        self.objects: dict[str, str] = dict(objects)
-        self._framework = header.metadata.get("format")
         self._cache: dict[str, memoryview] = {}
-        super().__init__(where, header.tensors, manifest)
-
-    @property
-    def framework(self) -> str | None:
-        return self._framework
-
-    @property
-    def container(self) -> str:
-        return "vault"
-
-    def missing(self) -> dict[str, str]:
-        """``{stored_name: problem}`` for objects that are absent or of the wrong size."""
-        out = {}
-        for name, info in self.stored.items():
-            size = object_size(self.store, self.objects[name])
-            if size is None:
-                out[name] = "object missing"
-            elif size != info.nbytes:
-                out[name] = f"object holds {size} bytes, expected {info.nbytes}"
-        return out
-
-    def object_nbytes(self, label: str) -> int:
-        """The size the object named under ``label`` in :attr:`objects` must have."""
-        return self.stored[label].nbytes
+        super().__init__(
+            store, where, header.tensors, manifest,
+            framework=header.metadata.get("format"),
+            objects=dict(objects),
+            sizes={n: info.nbytes for n, info in header.tensors.items()},
+        )  # fmt: skip
 
     def fetch(self) -> None:
         """Bring every object into memory now, concurrently (used for remote stores)."""

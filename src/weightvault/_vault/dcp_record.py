@@ -20,10 +20,9 @@ from typing import Any
 
 from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
-from .._file.checkpoint import Checkpoint
 from .._file.header import TensorInfo, encode_header
 from .._file.manifest import MANIFEST_KEY, Manifest
-from .objects import DIGEST, content_hash, damaged, object_key, object_size, read_object
+from .objects import DIGEST, ObjectCheckpoint, content_hash, damaged, object_key, read_object
 from .records import parse_header_text, parse_record, record_key
 from .store import Store
 
@@ -117,7 +116,7 @@ def model_header(
     return encode_header(infos, meta)[8:].decode("utf-8").rstrip(" ")
 
 
-class DcpCheckpoint(Checkpoint):
+class DcpCheckpoint(ObjectCheckpoint):
     """A DCP-made vault checkpoint, read by a single process as one whole model.
 
     ``objects`` maps one label per chunk (``"<fqn>@<i>"``, optimizer state included) to
@@ -134,16 +133,17 @@ class DcpCheckpoint(Checkpoint):
         self.prefix = str(section.get("model_prefix", ""))
         header, manifest = parse_header_text(header_text, where)
         self._check_coverage(header.tensors, where)
-        self.store = store
-        self.objects: dict[str, str] = {}
-        self._sizes: dict[str, int] = {}
+        objects: dict[str, str] = {}
+        sizes: dict[str, int] = {}
         for fqn, t in self.tensors.items():
             for i, c in enumerate(t.chunks):
-                self.objects[f"{fqn}@{i}"] = c.digest
-                self._sizes[f"{fqn}@{i}"] = c.nbytes(t.dtype)
-        self._framework = header.metadata.get("format")
+                objects[f"{fqn}@{i}"] = c.digest
+                sizes[f"{fqn}@{i}"] = c.nbytes(t.dtype)
         self._pieces: dict[str, bytes | memoryview] = {}
-        super().__init__(where, header.tensors, manifest)
+        super().__init__(
+            store, where, header.tensors, manifest,
+            framework=header.metadata.get("format"), objects=objects, sizes=sizes,
+        )  # fmt: skip
 
     def _check_coverage(self, stored: Mapping[str, TensorInfo], where: str) -> None:
         """Every tensor of the header has chunks of its dtype and shape covering it."""
@@ -157,29 +157,6 @@ class DcpCheckpoint(Checkpoint):
                     f"{where}: tensor {name!r}: its chunks cover {covered} of "
                     f"{numel(t.shape)} elements"
                 )
-
-    @property
-    def framework(self) -> str | None:
-        return self._framework
-
-    @property
-    def container(self) -> str:
-        return "vault"
-
-    def object_nbytes(self, label: str) -> int:
-        """The size the object of chunk ``label`` must have."""
-        return self._sizes[label]
-
-    def missing(self) -> dict[str, str]:
-        """``{chunk label: problem}`` for objects that are absent or of the wrong size."""
-        out = {}
-        for label, digest in self.objects.items():
-            size = object_size(self.store, digest)
-            if size is None:
-                out[label] = "object missing"
-            elif size != self._sizes[label]:
-                out[label] = f"object holds {size} bytes, expected {self._sizes[label]}"
-        return out
 
     def fetch(self) -> None:
         """Bring the model's chunk objects into memory now, concurrently."""

@@ -131,7 +131,7 @@ class Vault:
             optimizer: Also store the optimizer's state by parameter name (PyTorch) or
                 variable path (Keras).
             scheduler: Also store the LR scheduler's state (PyTorch).
-            rng: Also store the RNG states, so a resumed run draws the same numbers.
+            rng: Also store the RNG states (a resumed run draws the same numbers).
             background: Copy what training can change now, then hash and write in a
                 thread; returns a :class:`~weightvault.SaveHandle` whose ``wait()`` gives
                 the record. A later save or load of this ``Vault`` waits for it first.
@@ -146,17 +146,13 @@ class Vault:
         Example:
             >>> handle = vault.save(model, optimizer=opt, rng=True, background=True)
             >>> opt.step()      # the checkpoint keeps the values at the call
-            >>> handle.wait().name
-            '000002'
         """
         self._settle()  # a second save waits for the first
         check_free(self.store, name)
         adapter = adapter_for(model)
         snapshot = self._snapshots if background else None
         sources, training = _sources(adapter, model, optimizer, scheduler, rng, snapshot)
-        names = [s.name for s in sources if training is None or not is_training(s.name)]
-        # Refused now, not in a background thread nor when the checkpoint is exported.
-        check_names(names, metadata, self.url)
+        _check_names(sources, training, metadata, self.url)
 
         def work() -> CheckpointRecord:
             return save_sources(
@@ -346,6 +342,18 @@ def _sources(
         model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
     )
     return sources, training
+
+
+def _check_names(
+    sources: builtins.list[Source],
+    training: dict[str, Any] | None,
+    metadata: Mapping[str, str] | None,
+    where: str,
+) -> None:
+    """Refuse names and metadata a single file cannot hold, now: not in a background
+    thread, nor only when the checkpoint is exported."""
+    names = [s.name for s in sources if training is None or not is_training(s.name)]
+    check_names(names, metadata, where)
 
 
 #: What every vault-taking API accepts: a :class:`Vault`, a path, or an fsspec URL.
