@@ -142,10 +142,10 @@ def gc_loop(root: str, go_file: str, stop_file: str) -> None:
 
 
 def gc_stop(root: str, stale: float, when: str) -> None:
-    from weightvault._vault import vault as _vault
+    from weightvault._vault import gc as _gc
 
-    _vault.GC_STALE_SECONDS = stale
-    _vault.GC_HEARTBEAT_SECONDS = stale / 5
+    _gc.GC_STALE_SECONDS = stale
+    _gc.GC_HEARTBEAT_SECONDS = stale / 5
     vault = weightvault.Vault(root)
     store: Any = vault.store
     stopped: list[bool] = []

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,7 +63,7 @@ def test_fsdp2_save_stores_each_tensor_once(saved: dict[str, Any]) -> None:
     assert not [k for k in doc["dcp"]["tensors"] if k.startswith("optim.state.transformer.h.0.")]
     # FSDP2 on 2 ranks: the embedding is stored as two chunks, one per rank.
     assert len(doc["dcp"]["tensors"]["model.transformer.wte.weight"]["chunks"]) == 2
-    assert doc["dcp"]["values"]["optim.param_groups.0.betas"] == {"__tuple__": [0.9, 0.999]}
+    assert doc["dcp"]["values"]["optim.param_groups.0.betas"] == {"$tuple": [0.9, 0.999]}
     assert doc["metadata"] == {"step": "1"}
 
 
@@ -226,8 +228,10 @@ def test_values_that_need_pickle_are_refused(tmp_path: Path) -> None:
     # DCP wraps each rank's error; the rank's own is ours, with both bases.
     (err, _), *_ = e.value.failures.values()
     assert isinstance(err, wdcp.UnstorableValueError)
+    assert err.__class__ is weightvault.UnsupportedStateError  # one refusal, one class
     assert isinstance(err, (weightvault.WeightvaultError, TypeError))
-    assert Vault(tmp_path).list() == []
+    assert "obj" in str(err) and "when" in str(err)  # where the value was found
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
 def test_async_save_with_the_vault_writer(tmp_path: Path) -> None:
@@ -253,6 +257,91 @@ def test_async_save_with_the_vault_writer(tmp_path: Path) -> None:
             assert torch.equal(fresh.state_dict()[k], v), k
     finally:
         dist.destroy_process_group()
+
+
+def _chunk_digests(root: Path, name: str) -> set[str]:
+    doc = json.loads((root / "checkpoints" / f"{name}.json").read_text())
+    return {c[2] for t in doc["dcp"]["tensors"].values() for c in t["chunks"]}
+
+
+def test_a_dcp_checkpoint_loads_while_a_gc_holds_its_chunks_in_trash(tmp_path: Path) -> None:
+    """A running gc moved the chunks into its trash and has not re-read the records yet
+    (the state gc.collect is in between its two reads). Loads find them there, as they do
+    a plain checkpoint's objects; before, they said "the vault is damaged"."""
+    from weightvault._vault import gc as _gc
+
+    model, opt = _trained(1)
+    rec = wdcp.save(model, tmp_path, optimizer=opt)
+    marker = tmp_path / "gc" / "running.json"
+    marker.parent.mkdir()
+    pid = os.getpid()
+    owner = {"pid": pid, "host": socket.gethostname(), "started": _gc.process_start(pid)}
+    marker.write_text(json.dumps({"created": time.time(), **owner}))
+    digests = _chunk_digests(tmp_path, rec.name)
+    for digest in digests:
+        trash = tmp_path / "trash" / "running" / digest
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "objects" / digest[:2] / digest).rename(trash)
+    assert not any(p.is_file() for p in (tmp_path / "objects").rglob("*"))
+
+    vault = Vault(tmp_path)
+    plain = W.gpt2(5)
+    vault.load(plain, rec.name)  # one process: DcpCheckpoint
+    for k, v in model.state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v), k
+    fresh, fresh_opt = _trained(2)
+    wdcp.load(fresh, vault, rec.name, optimizer=fresh_opt)  # DCP: ranged reads
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    with vault.open(rec.name) as ckpt:
+        assert ckpt.missing() == {}
+    assert vault.verify().ok
+
+    marker.unlink()  # that gc died: the next one puts its trash back and frees nothing
+    assert vault.gc() == 0
+    assert {p.name for p in (tmp_path / "objects").rglob("*") if p.is_file()} >= digests
+    assert not any(p.is_file() for p in (tmp_path / "trash").rglob("*"))
+
+
+def _old_tags(value: Any) -> Any:
+    """``value`` with tuples tagged as weightvault.dcp wrote them before the one codec."""
+    if isinstance(value, list):
+        return [_old_tags(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"$tuple"}:
+            return {"__tuple__": _old_tags(value["$tuple"])}
+        return {k: _old_tags(v) for k, v in value.items()}
+    return value
+
+
+def test_a_record_with_the_old_tuple_tag_still_loads(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    rec = wdcp.save(model, tmp_path, optimizer=opt)
+    path = tmp_path / "checkpoints" / f"{rec.name}.json"
+    doc = json.loads(path.read_text())
+    old = _old_tags(doc["dcp"]["values"])
+    assert old != doc["dcp"]["values"] and "__tuple__" in json.dumps(old)  # AdamW's betas
+    doc["dcp"]["values"] = old
+    path.write_text(json.dumps(doc))
+
+    fresh, fresh_opt = _trained(2)
+    wdcp.load(fresh, tmp_path, rec.name, optimizer=fresh_opt)
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert want["param_groups"] == got["param_groups"]  # betas a tuple again, not a list
+    assert isinstance(got["param_groups"][0]["betas"], tuple)
+    for i, st in want["state"].items():
+        for n, t in st.items():
+            assert torch.equal(got["state"][i][n], t), (i, n)
+
+
+def test_dcp_takes_a_path_and_reads_no_vault_where_there_is_none(tmp_path: Path) -> None:
+    model, _ = _trained(1)
+    with pytest.raises(weightvault.VaultNotFoundError, match="check the path"):
+        wdcp.load(model, tmp_path / "typo")
+    with pytest.raises(CheckpointException, match="no vault here"):  # DCP wraps it
+        dcp.load({"model": model.state_dict()},
+                 storage_reader=wdcp.VaultReader(str(tmp_path / "typo")), no_dist=True)  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- S3 (moto on loopback) -----------------------------------------------------------------

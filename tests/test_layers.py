@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("whole-file tools: inspect, convert", {"_tools"}),
     ("adapters", {"torch", "keras", "numpy", "jax"}),
     ("the vault", {"_vault"}),
-    ("distributed and training loops", {"dcp", "integrations"}),
+    ("distributed and training loops", {"dcp", "_dcp", "integrations"}),
     ("facade", {""}),
     ("command line", {"_cli", "__main__"}),
 ]

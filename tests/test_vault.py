@@ -92,12 +92,13 @@ def fresh(width: int = 64) -> nn.Module:
 # -- opening -----------------------------------------------------------------------------
 
 
-def test_vault_creates_a_folder_and_reopens_it(tmp_path: Path) -> None:
+def test_the_first_save_creates_the_vault_and_it_reopens(tmp_path: Path) -> None:
     root = tmp_path / "runs" / "ft"
-    vault = Vault(root)  # a PathLike, parents created
+    vault = Vault(root)  # a PathLike; opening creates nothing
+    assert not root.exists()
+    vault.save(build(1, width=64), "first")  # parents created
     marker = json.loads((root / "vault.json").read_text())
     assert marker["format"] == "weightvault-vault" and marker["version"] == 1
-    vault.save(build(1, width=64), "first")
 
     again = Vault(str(root))
     assert [r.name for r in again.list()] == ["first"]
@@ -105,11 +106,70 @@ def test_vault_creates_a_folder_and_reopens_it(tmp_path: Path) -> None:
     assert (root / "vault.json").read_text() == json.dumps(marker)  # left as it was
 
 
+READS: list[tuple[str, Any]] = [
+    ("list", lambda v: v.list()),
+    ("resolve", lambda v: v.resolve("latest")),
+    ("open", lambda v: v.open("latest")),
+    ("load", lambda v: v.load(build(1, width=16), "000001")),
+    ("verify", lambda v: v.verify()),
+    ("export", lambda v: v.export("000001", v.url + ".safetensors")),
+    ("gc", lambda v: v.gc()),
+    ("delete", lambda v: v.delete("000001")),
+    ("retain", lambda v: v.retain(keep_last=1)),
+    ("break_gc_lock", lambda v: v.break_gc_lock()),
+    ("disk_bytes", lambda v: v.disk_bytes()),
+]
+
+
+@pytest.mark.parametrize("read", [r for _, r in READS], ids=[n for n, _ in READS])
+def test_reading_a_path_with_no_vault_creates_nothing(tmp_path: Path, read: Any) -> None:
+    root = tmp_path / "typo"
+    with pytest.raises(weightvault.VaultNotFoundError) as e:
+        read(Vault(root))
+    message = str(e.value)
+    assert str(root) in message and "check the path" in message and "save" in message
+    assert isinstance(e.value, FileNotFoundError)
+    assert list(tmp_path.iterdir()) == []  # no folder, no marker, no exported file
+
+
+def test_an_empty_folder_is_no_vault_until_the_first_save(tmp_path: Path) -> None:
+    vault = Vault(tmp_path)
+    with pytest.raises(weightvault.VaultNotFoundError):
+        vault.list()
+    assert list(tmp_path.iterdir()) == []
+    vault.save(build(1, width=16))
+    assert [r.name for r in vault.list()] == ["000001"]  # the same Vault now finds it
+
+
+def test_create_makes_the_vault_at_once(tmp_path: Path) -> None:
+    root = tmp_path / "new"
+    vault = Vault(root, create=True)
+    assert sorted(p.name for p in root.iterdir()) == ["vault.json"]
+    marker = (root / "vault.json").read_bytes()
+    assert vault.list() == [] and vault.verify().ok and vault.gc() == 0
+    Vault(root, create=True)  # an existing vault is left as it is
+    assert (root / "vault.json").read_bytes() == marker
+
+
+def test_a_file_is_not_a_vault(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"not a folder")
+    with pytest.raises(FormatError, match=r"model\.safetensors: this is a file"):
+        Vault(path)
+    with pytest.raises(FormatError, match="this is a file"):
+        Vault(tmp_path / "model.safetensors", create=True)
+    assert path.read_bytes() == b"not a folder" and os.listdir(tmp_path) == [path.name]
+
+
 @pytest.mark.parametrize("content", [b'{"format": "something-else", "version": 1}', b"\x00nope"])
 def test_vault_refuses_a_folder_that_is_not_a_vault(tmp_path: Path, content: bytes) -> None:
     (tmp_path / "vault.json").write_bytes(content)
     with pytest.raises(FormatError, match=r"vault\.json"):
         Vault(tmp_path)
+    with pytest.raises(FormatError, match=r"vault\.json"):
+        Vault(tmp_path, create=True)
+    assert os.listdir(tmp_path) == ["vault.json"]  # nothing added
+    assert (tmp_path / "vault.json").read_bytes() == content
 
 
 # -- saving ------------------------------------------------------------------------------
@@ -214,15 +274,17 @@ def test_auto_names_retry_when_another_writer_takes_the_next_name(
     vault = Vault(tmp_path)
     first = build(1, width=64)
     vault.save(first)
-    real = Vault._next_name
+    from weightvault._vault import commit
+
+    real = commit.next_name
     calls: list[str] = []
 
-    def stale_next_name(self: Vault) -> str:
+    def stale_next_name(store: Any) -> str:
         # The first pick is a name another writer committed meanwhile.
         calls.append("x")
-        return "000001" if len(calls) == 1 else real(self)
+        return "000001" if len(calls) == 1 else real(store)
 
-    monkeypatch.setattr(Vault, "_next_name", stale_next_name)
+    monkeypatch.setattr(commit, "next_name", stale_next_name)
     rec = vault.save(build(2, width=64))
     assert rec.name == "000002" and len(calls) == 2
     model = fresh()
@@ -235,7 +297,7 @@ def test_bad_names_are_refused(tmp_path: Path, name: str) -> None:
     vault = Vault(tmp_path)
     with pytest.raises(ValueError, match="not allowed"):
         vault.save(build(1, width=16), name)
-    assert vault.list() == []
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
 def test_save_refuses_what_no_adapter_knows(tmp_path: Path) -> None:
@@ -351,7 +413,7 @@ def test_load_takes_every_option_of_torch_load(tmp_path: Path) -> None:
 
 
 def test_unknown_names_raise_and_list_the_known_ones(tmp_path: Path) -> None:
-    vault = Vault(tmp_path)
+    vault = Vault(tmp_path, create=True)
     with pytest.raises(CheckpointNotFoundError, match="no checkpoints"):
         vault.load(fresh(16))
     vault.save(build(1, width=16), "alpha")
@@ -751,13 +813,13 @@ def test_gc_refuses_to_guess_when_a_record_lacks_its_objects(tmp_path: Path) -> 
 
 def test_a_dead_gc_marker_stops_blocking_saves(tmp_path: Path) -> None:
     """A gc killed mid-run leaves its marker; saves wait only until its heartbeat is stale."""
-    from weightvault._vault import vault as _vault
+    from weightvault._vault import gc as _gc
 
     vault = Vault(tmp_path, gc_wait=5)
     (tmp_path / "gc").mkdir()
     marker = tmp_path / "gc" / "dead.json"
     marker.write_text("{}")
-    old = time.time() - _vault.GC_STALE_SECONDS - 1
+    old = time.time() - _gc.GC_STALE_SECONDS - 1
     os.utime(marker, (old, old))
     started = time.monotonic()
     vault.save(build(0))
@@ -769,14 +831,14 @@ def test_a_dead_gc_marker_stops_blocking_saves(tmp_path: Path) -> None:
 
 
 def test_gc_removes_long_dead_temporary_files_everywhere(tmp_path: Path) -> None:
-    from weightvault._vault import vault as _vault
+    from weightvault._vault import gc as _gc
 
     vault = Vault(tmp_path)
     vault.save(build(0))
     leftovers = [tmp_path / "checkpoints" / ".x.tmp", tmp_path / "objects" / ".y.tmp"]
     fresh_tmp = tmp_path / "intents" / ".z.tmp"
     fresh_tmp.parent.mkdir(exist_ok=True)
-    old = time.time() - _vault.STALE_SECONDS - 1
+    old = time.time() - _gc.STALE_SECONDS - 1
     for f in leftovers:
         f.write_bytes(b"partial")
         os.utime(f, (old, old))

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import Vault, WeightvaultError  # noqa: E402
+from weightvault._vault import commit, save as save_steps  # noqa: E402
 
 WORKERS = str(Path(__file__).with_name("_vault_workers.py"))
 
@@ -49,7 +50,9 @@ def loads_exactly(vault: Vault, name: str, expected: Any, width: int = 64) -> No
 # -- the intent protocol, deterministically ----------------------------------------------
 
 
-def test_gc_while_a_save_holds_its_intent_keeps_every_object_it_names(tmp_path: Path) -> None:
+def test_gc_while_a_save_holds_its_intent_keeps_every_object_it_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The save registered its intent, found no gc and is about to reuse objects: a gc that
     runs now must keep them, although no checkpoint references them."""
     setup = Vault(tmp_path)
@@ -60,14 +63,14 @@ def test_gc_while_a_save_holds_its_intent_keeps_every_object_it_names(tmp_path: 
 
     saver, collector = Vault(tmp_path), Vault(tmp_path)
     freed: list[int] = []
-    real_wait = saver._wait_for_gc
+    real_wait = commit.wait_for_gc
 
-    def gc_in_between() -> None:
+    def gc_in_between(store: Any, gc_wait: float) -> None:
         assert len(list((tmp_path / "intents").iterdir())) == 1
         freed.append(collector.gc())
-        real_wait()
+        real_wait(store, gc_wait)
 
-    saver._wait_for_gc = gc_in_between  # type: ignore[method-assign]
+    monkeypatch.setattr(commit, "wait_for_gc", gc_in_between)
     rec = saver.save(model, "new")  # ...except through this save's intent
 
     assert freed == [0]
@@ -92,7 +95,9 @@ def test_gc_stale_intents_do_not_protect_forever(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("objects", ["reused", "new"])
-def test_gc_racing_a_commit_keeps_the_committed_objects(tmp_path: Path, objects: str) -> None:
+def test_gc_racing_a_commit_keeps_the_committed_objects(
+    tmp_path: Path, objects: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The save passed its gc check before gc started and wrote its objects before gc listed
     them; it commits (and drops its intent) while gc is between reading the checkpoints and
     reading the intents."""
@@ -105,14 +110,14 @@ def test_gc_racing_a_commit_keeps_the_committed_objects(tmp_path: Path, objects:
     saver, collector = Vault(tmp_path), Vault(tmp_path)
     ready, go = threading.Event(), threading.Event()
     result: list[Any] = []
-    real_commit = saver._commit
+    real_commit = save_steps.commit_record
 
-    def pause_then_commit(doc: dict[str, Any], name: str | None) -> str:
+    def pause_then_commit(store: Any, doc: dict[str, Any], name: str | None) -> str:
         ready.set()  # objects written, intent still registered
         assert go.wait(30)
-        return real_commit(doc, name)
+        return real_commit(store, doc, name)
 
-    saver._commit = pause_then_commit  # type: ignore[method-assign]
+    monkeypatch.setattr(save_steps, "commit_record", pause_then_commit)
     thread = threading.Thread(target=lambda: result.append(saver.save(model, "new")))
     real_list = collector.store.list
 
@@ -172,7 +177,7 @@ def _env() -> dict[str, str]:
 
 def test_two_writers_and_a_gc_loop_lose_nothing(tmp_path: Path) -> None:
     root, go, stop = tmp_path / "vault", tmp_path / "go", tmp_path / "stop"
-    Vault(root)
+    Vault(root, create=True)  # the gc loop may start before the first save
     saves, width = 10, 512  # backbone ~3 MiB frozen per writer + 1 MiB head: ~4 MiB a model
     commands = [
         ["writer", str(root), "1", str(saves), str(width), str(go)],

@@ -24,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import weightvault._vault.vault as vault_module  # noqa: E402
+import weightvault._vault.gc as gc_module  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import Vault  # noqa: E402
 
@@ -173,8 +173,8 @@ def test_saves_killed_with_sigkill_leave_only_whole_checkpoints(tmp_path: Path) 
 
     # An hour later the dead saves' intents and temporary files are stale: gc frees
     # every object no checkpoint references, and nothing else.
-    age(root / "intents", 2 * vault_module.STALE_SECONDS)
-    age(root / "objects", 2 * vault_module.STALE_SECONDS)
+    age(root / "intents", 2 * gc_module.STALE_SECONDS)
+    age(root / "objects", 2 * gc_module.STALE_SECONDS)
     before = vault.disk_bytes()
     intents = sum(p.stat().st_size for p in (root / "intents").iterdir())
     freed = vault.gc()
@@ -246,7 +246,7 @@ def test_a_save_stopped_before_any_store_operation_is_all_or_nothing(tmp_path: P
 
     # Stale intents and temp files: gc leaves exactly the referenced objects.
     vault = Vault(tmp_path)
-    age(tmp_path / "intents", 2 * vault_module.STALE_SECONDS)
+    age(tmp_path / "intents", 2 * gc_module.STALE_SECONDS)
     vault.gc()
     assert set(object_files(tmp_path)) == referenced(tmp_path)
     assert not list((tmp_path / "intents").iterdir())
@@ -272,7 +272,7 @@ def test_an_object_write_killed_midway_is_ignored_then_freed(tmp_path: Path) -> 
     assert vault.gc() == 0  # it may be a write in progress
     assert partial.exists()
     assert vault.verify().ok
-    age(tmp_path / "objects", 2 * vault_module.STALE_SECONDS)
+    age(tmp_path / "objects", 2 * gc_module.STALE_SECONDS)
     assert vault.gc() == 100
     assert not partial.exists()
     other = build(2, width=64)
@@ -293,7 +293,7 @@ def test_gc_survives_an_intent_write_killed_midway(tmp_path: Path) -> None:
     vault.load(fresh)
     assert_bitwise(snapshot(fresh), snapshot(model))
     # Once stale, the leftover is cleaned up like any other abandoned temporary file.
-    age(tmp_path / "intents", 2 * vault_module.STALE_SECONDS)
+    age(tmp_path / "intents", 2 * gc_module.STALE_SECONDS)
     vault.gc()
     assert not partial.exists()
 
@@ -303,6 +303,6 @@ def test_a_stale_gc_marker_does_not_block_saves(tmp_path: Path) -> None:
     vault = Vault(tmp_path, gc_wait=0.2)
     (tmp_path / "gc").mkdir()
     (tmp_path / "gc" / "dead.json").write_text(json.dumps({"created": 0}))
-    age(tmp_path / "gc", 2 * vault_module.STALE_SECONDS)
+    age(tmp_path / "gc", 2 * gc_module.STALE_SECONDS)
     rec = vault.save(build(1, width=16))
     assert [r.name for r in vault.list()] == [rec.name]

@@ -25,6 +25,7 @@ from weightvault import (  # noqa: E402
     CheckpointExistsError,
     CheckpointNotFoundError,
     Vault,
+    VaultNotFoundError,
     WeightvaultError,
 )
 
@@ -88,12 +89,15 @@ def test_vault_on_s3_end_to_end(
     safetensors_torch = pytest.importorskip("safetensors.torch")
     url = f"s3://{bucket}/run1"
     vault = Vault(url, **options)
-    assert fs(options).exists(f"{bucket}/run1/vault.json")
+    assert not fs(options).exists(f"{bucket}/run1/vault.json")  # opening creates nothing
+    with pytest.raises(VaultNotFoundError, match="check the path"):
+        vault.list()
 
     models = [build(seed, width=128) for seed in range(3)]
     head = sum(p.numel() * 4 for p in models[0].head.parameters())
     full = sum(t.numel() * 4 for t in models[0].state_dict().values())
     records = [vault.save(models[0], "first", metadata={"step": "0"})]
+    assert fs(options).exists(f"{bucket}/run1/vault.json")  # the first save does
     records += [vault.save(m) for m in models[1:]]
     assert [r.name for r in records] == ["first", "000001", "000002"]
     assert [r.new_bytes for r in records] == [full, head, head]  # the backbone is shared
@@ -160,14 +164,16 @@ def test_auto_names_retry_on_s3_when_the_next_name_is_taken(
     vault = Vault(f"s3://{bucket}/run", **options)
     first = build(1, width=32)
     vault.save(first)
-    real = Vault._next_name
+    from weightvault._vault import commit
+
+    real = commit.next_name
     picks: list[str] = []
 
-    def stale(self: Vault) -> str:
+    def stale(store: Any) -> str:
         picks.append("x")
-        return "000001" if len(picks) == 1 else real(self)
+        return "000001" if len(picks) == 1 else real(store)
 
-    monkeypatch.setattr(Vault, "_next_name", stale)
+    monkeypatch.setattr(commit, "next_name", stale)
     assert vault.save(build(2, width=32)).name == "000002"
     model = fresh(32)
     vault.load(model, "000001")

@@ -48,7 +48,9 @@ from ._base.reports import LoadReport, OptimizerReport, SaveReport
 from ._file.checkpoint import Checkpoint
 from ._tools.convert import convert
 from ._tools.inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
-from ._vault.vault import CheckpointRecord, Vault, VaultVerifyReport
+from ._vault.records import CheckpointRecord
+from ._vault.vault import Vault
+from ._vault.verify import VaultVerifyReport
 
 __version__ = "0.1.0"
 

@@ -14,20 +14,19 @@ This module imports no framework; :mod:`weightvault.dcp` writes these records.
 from __future__ import annotations
 
 import itertools
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
-from .._file.checkpoint import Checkpoint
-from .._file.header import TensorInfo, encode_header, parse_header
-from .._file.manifest import MANIFEST_KEY, Manifest, read_manifest
+from .._file.header import TensorInfo, encode_header
+from .._file.manifest import MANIFEST_KEY, Manifest
+from .objects import DIGEST, ObjectCheckpoint, content_hash, damaged, object_key, read_object
+from .records import parse_header_text, parse_record, record_key
 from .store import Store
 
 KIND = "dcp"
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -51,10 +50,6 @@ class ChunkedTensor:
     chunks: tuple[Chunk, ...]
 
 
-def object_key(digest: str) -> str:
-    return f"objects/{digest[:2]}/{digest}"
-
-
 def parse_tensors(section: Mapping[str, Any], where: str) -> dict[str, ChunkedTensor]:
     """The ``tensors`` of a record's ``dcp`` section, validated."""
     out: dict[str, ChunkedTensor] = {}
@@ -73,7 +68,7 @@ def parse_tensors(section: Mapping[str, Any], where: str) -> dict[str, ChunkedTe
                     for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)
                 ):
                     raise ValueError(f"chunk out of bounds ({fqn})")
-                if not _DIGEST.match(c.digest):
+                if not DIGEST.fullmatch(c.digest):
                     raise ValueError(f"bad object name ({fqn})")
                 chunks.append(c)
             out[str(fqn)] = ChunkedTensor(dtype, shape, tuple(chunks))
@@ -121,114 +116,77 @@ def model_header(
     return encode_header(infos, meta)[8:].decode("utf-8").rstrip(" ")
 
 
-class DcpCheckpoint(Checkpoint):
+class DcpCheckpoint(ObjectCheckpoint):
     """A DCP-made vault checkpoint, read by a single process as one whole model.
 
     ``objects`` maps one label per chunk (``"<fqn>@<i>"``, optimizer state included) to
     its object, so gc keeps and verify checks every piece.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        name: str,
-        doc: Mapping[str, Any],
-        *,
-        record: Any,
-        data_size: Callable[[bytes, str], int],
-        content_hash: Callable[[memoryview | bytes], str],
-    ) -> None:
-        # The vault hands in its record, header sizing and hash, so this module sits below
-        # the vault instead of importing it back.
-        where = f"{store.url}/checkpoints/{name}.json"
-        self.record = record
-        self._hash = content_hash
-        _data_size = data_size
+    def __init__(self, store: Store, name: str, doc: Mapping[str, Any]) -> None:
+        where = f"{store.url}/{record_key(name)}"
+        self.record = parse_record(name, doc, where)
         section, header_text = doc.get("dcp"), doc.get("header")
         if not isinstance(section, dict) or not isinstance(header_text, str):
             raise FormatError(f"{where}: DCP checkpoint record lacks its chunk table or header")
         self.tensors = parse_tensors(section.get("tensors", {}), where)
         self.prefix = str(section.get("model_prefix", ""))
-        raw = header_text.encode("utf-8")
-        header = parse_header(raw, 8 + len(raw) + _data_size(raw, where), where)
-        manifest = read_manifest(header.metadata, header.tensors, where)
-        for stored, info in header.tensors.items():
-            t = self.tensors.get(self.prefix + stored)
+        header, manifest = parse_header_text(header_text, where)
+        self._check_coverage(header.tensors, where)
+        objects: dict[str, str] = {}
+        sizes: dict[str, int] = {}
+        for fqn, t in self.tensors.items():
+            for i, c in enumerate(t.chunks):
+                objects[f"{fqn}@{i}"] = c.digest
+                sizes[f"{fqn}@{i}"] = c.nbytes(t.dtype)
+        self._pieces: dict[str, bytes | memoryview] = {}
+        super().__init__(
+            store, where, header.tensors, manifest,
+            framework=header.metadata.get("format"), objects=objects, sizes=sizes,
+        )  # fmt: skip
+
+    def _check_coverage(self, stored: Mapping[str, TensorInfo], where: str) -> None:
+        """Every tensor of the header has chunks of its dtype and shape covering it."""
+        for name, info in stored.items():
+            t = self.tensors.get(self.prefix + name)
             if t is None or t.dtype != info.dtype or t.shape != info.shape:
-                raise FormatError(f"{where}: tensor {stored!r} has no matching chunks")
+                raise FormatError(f"{where}: tensor {name!r} has no matching chunks")
             covered = sum(numel(c.sizes) for c in t.chunks)
             if covered != numel(t.shape):
                 raise FormatError(
-                    f"{where}: tensor {stored!r}: its chunks cover {covered} of "
+                    f"{where}: tensor {name!r}: its chunks cover {covered} of "
                     f"{numel(t.shape)} elements"
                 )
-        self.store = store
-        self.objects: dict[str, str] = {}
-        self._sizes: dict[str, int] = {}
-        for fqn, t in self.tensors.items():
-            for i, c in enumerate(t.chunks):
-                self.objects[f"{fqn}@{i}"] = c.digest
-                self._sizes[f"{fqn}@{i}"] = c.nbytes(t.dtype)
-        self._framework = header.metadata.get("format")
-        self._pieces: dict[str, bytes] = {}
-        super().__init__(where, header.tensors, manifest)
-
-    @property
-    def framework(self) -> str | None:
-        return self._framework
-
-    @property
-    def container(self) -> str:
-        return "vault"
-
-    def object_nbytes(self, label: str) -> int:
-        """The size the object of chunk ``label`` must have."""
-        return self._sizes[label]
-
-    def missing(self) -> dict[str, str]:
-        out = {}
-        for label, digest in self.objects.items():
-            size = self.store.size(object_key(digest))
-            if size is None:
-                out[label] = "object missing"
-            elif size != self._sizes[label]:
-                out[label] = f"object holds {size} bytes, expected {self._sizes[label]}"
-        return out
 
     def fetch(self) -> None:
         """Bring the model's chunk objects into memory now, concurrently."""
         keys = {
-            object_key(c.digest)
+            object_key(c.digest): c.digest
             for s in self.stored
             for c in self.tensors[self.prefix + s].chunks
             if c.digest not in self._pieces
         }
         try:
             got = self.store.get_many(sorted(keys))
-        except FileNotFoundError as e:
-            raise FormatError(
-                f"{self.path}: a chunk object is missing ({e}); the vault is damaged, run "
-                "'weightvault vault ROOT verify'"
-            ) from e
+        except FileNotFoundError:
+            # Some chunk is not in objects/: it may sit in a running gc's trash, where
+            # _piece looks for it (and names the tensor if it is nowhere).
+            return
         for key, data in got.items():
-            self._pieces[key.rsplit("/", 1)[-1]] = data
+            self._pieces[keys[key]] = data
 
     def _piece(self, stored: str, c: Chunk, dtype: str) -> bytes | memoryview:
-        data: bytes | memoryview
-        if c.digest in self._pieces:
-            data = self._pieces[c.digest]
-        else:
+        if c.digest not in self._pieces:
             try:
-                data = self.store.view(object_key(c.digest))
+                self._pieces[c.digest] = read_object(self.store, c.digest)
             except FileNotFoundError:
-                raise FormatError(
-                    f"{self.path}: tensor {stored!r}: a chunk object is missing; the vault "
-                    "is damaged, run 'weightvault vault ROOT verify'"
-                ) from None
+                raise damaged(self.path, stored, "a chunk object is missing") from None
+        data = self._pieces[c.digest]
         if len(data) != c.nbytes(dtype):
-            raise FormatError(
-                f"{self.path}: tensor {stored!r}: a chunk object holds {len(data)} bytes, "
-                f"expected {c.nbytes(dtype)}; run 'weightvault vault ROOT verify'"
+            raise damaged(
+                self.path,
+                stored,
+                f"a chunk object holds {len(data)} bytes, expected {c.nbytes(dtype)}",
             )
         return data
 
@@ -249,7 +207,7 @@ class DcpCheckpoint(Checkpoint):
 
     def check(self, stored: str) -> bool:
         t = self.tensors[self.prefix + stored]
-        return all(self._hash(self._piece(stored, c, t.dtype)) == c.digest for c in t.chunks)
+        return all(content_hash(self._piece(stored, c, t.dtype)) == c.digest for c in t.chunks)
 
 
 def _place(out: bytearray, shape: tuple[int, ...], item: int, c: Chunk, src: memoryview) -> None:

@@ -46,6 +46,10 @@ class Store:
         """The bytes at ``key``, mapped where the store allows it (always writable)."""
         return memoryview(bytearray(self.get(key)))
 
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` at ``key``, reading only those where the store can."""
+        return self.get(key)[start:end]
+
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -73,6 +77,10 @@ class Store:
         """The file behind ``key`` on a local disk, or ``None`` for remote stores."""
         return None
 
+    def root_is_file(self) -> bool:
+        """Whether the root is a file (so it can never hold a vault)."""
+        raise NotImplementedError
+
 
 class LocalStore(Store):
     """A folder on a local filesystem."""
@@ -80,9 +88,9 @@ class LocalStore(Store):
     local = True
 
     def __init__(self, root: str) -> None:
+        # Nothing is created here: the folder appears with the first write (see put).
         self.root = os.path.abspath(root)
         self.url = self.root
-        os.makedirs(self.root, exist_ok=True)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -108,6 +116,13 @@ class LocalStore(Store):
                 return memoryview(bytearray())
             # MAP_PRIVATE: callers may write to tensors built on it; the object never changes.
             return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return os.pread(f.fileno(), end - start, start)
+
+    def root_is_file(self) -> bool:
+        return os.path.isfile(self.root)
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
@@ -193,6 +208,13 @@ class FsspecStore(Store):
             out[k] = value
         return out
 
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        # A ranged GET: a rank resharding a DCP checkpoint reads only its boxes.
+        return bytes(self.fs.cat_file(self._path(key), start=start, end=end))
+
+    def root_is_file(self) -> bool:
+        return bool(self.fs.isfile(self.root))
+
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self._path(key)))
 
@@ -221,7 +243,7 @@ class FsspecStore(Store):
 
     def rename(self, src: str, dst: str) -> bool:
         # Object stores have no rename: copy, then delete. In between both keys hold the
-        # same bytes, which is all gc's trash protocol needs (see _vault.Vault.gc).
+        # same bytes, which is all gc's trash protocol needs (see _vault.gc).
         try:
             self.fs.copy(self._path(src), self._path(dst))
         except FileNotFoundError:

@@ -10,8 +10,8 @@ checkpoint into a compiled model and returns the epoch to pass to ``fit`` as
 Example:
     >>> from weightvault import Vault
     >>> from weightvault.integrations.keras import VaultCheckpoint, restore
+    >>> model.fit(x, y, epochs=2, callbacks=[VaultCheckpoint("runs/vault")])
     >>> vault = Vault("runs/vault")
-    >>> model.fit(x, y, epochs=2, callbacks=[VaultCheckpoint(vault)])
     >>> [r.name for r in vault.list()]
     ['epoch-0001', 'epoch-0002']
     >>> fresh.compile(optimizer="adam", loss="mse")
@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._base.errors import TrainingStateError
+from .._vault.vault import VaultLike, as_vault
 
 try:
     import keras
@@ -51,7 +52,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
     ``keras.step``), which :func:`restore` reads back.
 
     Args:
-        vault: The :class:`~weightvault.Vault` to save into.
+        vault: The :class:`~weightvault.Vault` to save into, or its path or URL.
         save_freq: ``"epoch"``, or save every this many batches.
         save_optimizer: Also store ``model.optimizer``'s state (slots, iterations, learning
             rate and configuration) so training resumes exactly.
@@ -72,7 +73,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
 
     def __init__(
         self,
-        vault: Any,
+        vault: VaultLike,
         save_freq: str | int = "epoch",
         save_optimizer: bool = True,
         *,
@@ -86,7 +87,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             raise ValueError(f"save_freq must be 'epoch' or a positive integer, not {save_freq!r}")
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
-        self.vault = vault
+        self.vault = as_vault(vault)
         self.save_freq = save_freq
         self.save_optimizer = save_optimizer
         self.rng = rng
@@ -123,7 +124,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 def restore(
-    vault: Any,
+    vault: VaultLike,
     model: Any,
     name: str = "latest",
     *,
@@ -139,7 +140,7 @@ def restore(
     pipeline).
 
     Args:
-        vault: The :class:`~weightvault.Vault` to read.
+        vault: The :class:`~weightvault.Vault` to read, or its path or URL.
         model: A built Keras model, compiled with the same kind of optimizer.
         name: The checkpoint, or ``"latest"``.
         optimizer: Restore ``model.optimizer``'s state too.
@@ -150,14 +151,16 @@ def restore(
         The number of epochs the checkpoint had completed: ``fit``'s ``initial_epoch``.
 
     Raises:
-        WeightvaultError: ``optimizer`` is set but the model is not compiled, or the
+        TrainingStateError: ``optimizer`` is set but the model is not compiled, or the
             checkpoint was not written by :class:`VaultCheckpoint` (no epoch recorded).
+        VaultNotFoundError: ``vault`` is a path that holds no vault.
 
     Example:
         >>> start = restore(vault, model, "epoch-0001")
         >>> model.fit(x, y, epochs=2, initial_epoch=start)
     """
-    resolved = vault._resolve(name)
+    vault = as_vault(vault)
+    resolved = vault.resolve(name)
     record = next((r for r in vault.list() if r.name == resolved), None)
     epoch = None if record is None else record.metadata.get(EPOCH_KEY)
     if epoch is None or not epoch.isdigit():

@@ -1,0 +1,131 @@
+"""A DCP save planner that finds ties by memory identity, so a tied tensor is stored once.
+
+Each rank reports which of its write items read the same local memory as an earlier
+one; the coordinator keeps ``alias -> canonical`` only where every rank holding the alias
+agrees. Replicated tensors (DDP, HSDP replicas) are already written by one rank, by DCP's
+own deduplication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+__all__ = ["VaultSavePlanner", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Identity of a local tensor's memory; ``None`` for empty tensors, which tie nothing."""
+    if t.numel() == 0:
+        return None
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+    )
+
+
+def _box(item: WriteItem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+    if chunk is None:
+        return ((), ())
+    return (tuple(chunk.offsets), tuple(chunk.sizes))
+
+
+def _agreed_ties(reports: list[dict[str, list[Any]]]) -> dict[str, str]:
+    """``alias -> canonical`` where every rank holding the alias reported that canonical."""
+    candidates: dict[str, str | None] = {}
+    for rep in reports:
+        for fqn, entries in rep.items():
+            for canon, _ in entries:
+                if canon == "empty":
+                    continue
+                if canon is None or candidates.get(fqn, canon) != canon:
+                    candidates[fqn] = None
+                else:
+                    candidates.setdefault(fqn, canon)
+    ties = {a: c for a, c in candidates.items() if c is not None and candidates.get(c) is None}
+    return {a: c for a, c in ties.items() if c not in ties}
+
+
+class VaultSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, plus ties found by memory identity and frozen flags.
+
+    Each rank reports which of its write items read the same local memory as an earlier
+    one. The coordinator accepts ``alias -> canonical`` only when every rank holding the
+    alias agrees, drops the alias's items from every plan, and records the tie; the
+    tensor is then written once. Replicated tensors (DDP, HSDP replicas) are already
+    written by one rank, by DCP's own deduplication.
+
+    Args:
+        frozen: Flattened names (``"model.<fqn>"`` under :func:`save`) of frozen tensors.
+        names: Model names in model order, for the record's header.
+        model_prefix: What the model's names start with in the flattened state.
+    """
+
+    def __init__(
+        self,
+        frozen: Sequence[str] = (),
+        names: Sequence[str] | None = None,
+        model_prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.frozen = list(frozen)
+        self.names = None if names is None else list(names)
+        self.model_prefix = model_prefix
+        self.ties: dict[str, str] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        first: dict[tuple[Any, ...], WriteItem] = {}
+        local: dict[str, list[Any]] = defaultdict(list)
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            t = self.lookup_object(item.index)
+            key = storage_key(t) if isinstance(t, torch.Tensor) else None
+            if key is None:
+                # Empty shards cannot show identity: they agree with any tie.
+                local[item.index.fqn].append(("empty", _box(item)))
+            elif key in first:
+                canon = first[key]
+                ok = _box(canon) == _box(item)
+                local[item.index.fqn].append((canon.index.fqn if ok else None, _box(item)))
+            else:
+                first[key] = item
+                local[item.index.fqn].append((None, _box(item)))
+        data = {"mappings": plan.planner_data, "same_memory": dict(local)}
+        self.plan = dataclasses.replace(plan, planner_data=data)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        ties = _agreed_ties([p.planner_data["same_memory"] for p in all_plans])
+        self.ties = ties
+        plans = [
+            dataclasses.replace(
+                p,
+                items=[i for i in p.items if i.index.fqn not in ties],
+                planner_data=p.planner_data["mappings"],
+            )
+            for p in all_plans
+        ]
+        return super().create_global_plan(plans)
+
+    def info(self) -> dict[str, Any]:
+        """What the writer records beside the chunks: ties, frozen names, model order."""
+        return {
+            "ties": dict(self.ties),
+            "frozen": self.frozen,
+            "names": self.names,
+            "model_prefix": self.model_prefix,
+        }

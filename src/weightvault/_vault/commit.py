@@ -1,0 +1,195 @@
+"""The commit protocol: how a checkpoint enters a vault, whole or not at all.
+
+Every writer follows it, :meth:`weightvault.Vault.save` in one process and
+:mod:`weightvault.dcp` across ranks (each rank does steps 1 to 3 for its own chunks,
+rank 0 does step 4 once every rank is done)::
+
+    intent = begin(store, digests, gc_wait=vault.gc_wait)    # 1. intent, 2. wait for gc
+    written = store_missing(store, objects)                  # 3. objects, each durable
+    name = commit_record(store, doc, name)                   # 4. the commit
+    release(store, [intent])
+
+1. :func:`begin` creates the vault if this is its first write, then registers an intent,
+   ``intents/<id>.json``, naming every object the checkpoint will reference: from then
+   on gc keeps them (see :mod:`.gc`).
+2. It waits while a gc runs, so a save does not rewrite objects gc is about to free.
+3. :func:`store_missing` writes only the objects the vault lacks (checked after the
+   intent is visible, which is what makes gc safe), each durable before it returns.
+4. :func:`commit_record` creates ``checkpoints/<name>.json`` exclusively: that single
+   create is the commit.
+
+A writer killed at any moment leaves at most unreferenced objects and an intent, which
+gc frees once the intent is an hour old.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+from .._base.errors import CheckpointExistsError
+from .gc import wait_for_gc
+from .marker import create_vault
+from .objects import object_key
+from .records import next_name, record_key
+from .store import Store
+
+__all__ = [
+    "WORKERS",
+    "Data",
+    "begin",
+    "commit_record",
+    "each",
+    "release",
+    "store_missing",
+    "workers",
+]
+
+#: Threads a save hashes and writes with. blake3 and xxhash release the GIL, so hashing
+#: uses every core; the extra threads overlap fsyncs (and object-store round trips).
+WORKERS = min(32, (os.cpu_count() or 1) + 4)
+
+#: An object to store: its size, and its bytes on demand.
+Data = tuple[int, Callable[[], memoryview | bytes]]
+T = TypeVar("T")
+U = TypeVar("U")
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def workers() -> ThreadPoolExecutor:
+    """This process's save threads, started once (a thread start costs milliseconds)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(WORKERS, "weightvault-save")
+        return _pool
+
+
+def _forget_workers() -> None:
+    # A forked child inherits the pool object but none of its threads (nor a lock state
+    # that means anything): it starts its own when it first saves.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
+def each(
+    pool: ThreadPoolExecutor,
+    fn: Callable[[U], T],
+    items: Sequence[U],
+    done: Callable[[U], object] | None = None,
+) -> list[T]:
+    """``fn`` over ``items`` on ``pool``, results in order, ``done(item)`` as each arrives.
+
+    On any error it still waits for every call to finish, so a failed save leaves nothing
+    running behind it.
+    """
+    futures = [pool.submit(fn, item) for item in items]
+    try:
+        out = []
+        for item, future in zip(items, futures, strict=True):
+            out.append(future.result())
+            if done is not None:
+                done(item)
+        return out
+    finally:
+        wait(futures)
+
+
+def begin(store: Store, digests: Iterable[str], *, gc_wait: float) -> str:
+    """Steps 1 and 2: register an intent naming ``digests``, then wait while a gc runs.
+
+    Returns:
+        The intent's key; :func:`release` it once the record is committed (or the save
+        failed).
+
+    Raises:
+        VaultBusyError: A gc kept running for ``gc_wait`` seconds; the intent is gone.
+        FormatError: The root holds something that is not a vault.
+    """
+    create_vault(store)
+    intent = f"intents/{uuid.uuid4().hex}.json"
+    doc = {"created": time.time(), "objects": sorted(set(digests))}
+    store.put(intent, json.dumps(doc).encode())
+    try:
+        wait_for_gc(store, gc_wait)
+    except BaseException:
+        store.delete(intent)
+        raise
+    return intent
+
+
+def store_missing(
+    store: Store,
+    objects: Mapping[str, Data],
+    *,
+    pool: ThreadPoolExecutor | None = None,
+    wrote: Callable[[str, memoryview | bytes], object] | None = None,
+) -> set[str]:
+    """Step 3: write each object the vault lacks, durably; return the digests written.
+
+    One existence check per object, concurrently (a round trip on S3). Call it only
+    after :func:`begin`: the check is what a concurrent gc's re-read relies on.
+
+    Args:
+        store: The vault's store.
+        objects: ``{digest: (nbytes, data)}``; an object of another size is rewritten.
+        pool: Threads to check and write on (by default this process's save threads).
+        wrote: Called with each written object's digest and bytes (from those threads).
+    """
+    pool = pool or workers()
+    digests = list(objects)
+    sizes = each(pool, lambda d: store.size(object_key(d)), digests)
+    missing = [d for d, size in zip(digests, sizes, strict=True) if size != objects[d][0]]
+
+    def put(digest: str) -> None:
+        data = objects[digest][1]()
+        if wrote is not None:
+            wrote(digest, data)
+        store.put(object_key(digest), data)
+        # Its folder's entry too. Objects are written (and fsynced) concurrently: the
+        # disk then commits many in one journal transaction, about 3x faster than one
+        # after another for ten 1 MiB objects on the benchmark machine.
+        store.sync([object_key(digest)])
+
+    each(pool, put, missing)
+    return set(missing)
+
+
+def commit_record(store: Store, doc: Mapping[str, Any], name: str | None) -> str:
+    """Step 4: create the record exclusively, under ``name`` or the next free number.
+
+    Returns:
+        The name committed.
+
+    Raises:
+        CheckpointExistsError: Another writer took ``name`` first.
+    """
+    payload = json.dumps(doc, separators=(",", ":")).encode()
+    for _ in range(1000):
+        chosen = name or next_name(store)
+        if store.put(record_key(chosen), payload, exclusive=True):
+            store.sync([record_key(chosen)])
+            return chosen
+        if name is not None:
+            raise CheckpointExistsError(
+                f"{store.url}: checkpoint {name!r} was created by another writer first; "
+                "pick another name"
+            )
+    raise CheckpointExistsError(f"{store.url}: could not find a free checkpoint name")
+
+
+def release(store: Store, intents: Iterable[str]) -> None:
+    """Drop intents: their objects are now named by a record, or no longer wanted."""
+    for key in intents:
+        store.delete(key)

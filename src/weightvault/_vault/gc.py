@@ -1,0 +1,327 @@
+"""Garbage collection: freeing objects no checkpoint or in-flight save references.
+
+**gc safety.** gc never deletes a key a save may have just decided to reuse. It first
+picks candidates (objects no intent or checkpoint names), then *moves* each one into its
+trash, ``trash/<gc id>/<digest>``, then reads every intent and checkpoint again: objects
+someone now names go back, only the rest are deleted, from the trash. A save checks an
+object after its intent is visible (see :mod:`.commit`); if that check came before the
+move, the intent (or the checkpoint it became) is visible to the re-read, which puts the
+object back; if it came after, the save found the object missing and wrote it again.
+However long gc stalls at any point, no checkpoint loses an object. Reads find an object
+in a gc's trash while it sits there (:mod:`.objects`), and the trash of a gc that died is
+put back by the next gc or by :func:`break_gc_lock`.
+
+**The marker.** A running gc keeps ``gc/<id>.json`` fresh (a heartbeat: pid, host, time);
+saves wait while one is fresh (:func:`wait_for_gc`), to avoid churn. It is not what
+keeps objects safe.
+
+Example:
+    >>> freed = collect(vault.store)      # what Vault.gc() does
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+
+from .._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
+from .checkpoint import open_record
+from .objects import DIGEST, is_temp, object_key
+from .records import read_doc, record_names
+from .store import Blob, Store
+
+__all__ = [
+    "GC_HEARTBEAT_SECONDS",
+    "GC_STALE_SECONDS",
+    "STALE_SECONDS",
+    "break_gc_lock",
+    "collect",
+    "gc_markers",
+    "process_start",
+    "wait_for_gc",
+]
+
+#: An intent or temporary file older than this belongs to a process that died.
+STALE_SECONDS = 3600.0
+#: A running gc rewrites its marker this often; one not rewritten for GC_STALE_SECONDS
+#: belongs to a gc that died or stalls, and saves stop waiting for it. Neither number
+#: matters for safety (see the module docstring), only for how long a save may wait.
+GC_HEARTBEAT_SECONDS = 10.0
+GC_STALE_SECONDS = 60.0
+
+log = logging.getLogger("weightvault")
+
+Beat = Callable[[], None]
+
+
+class _Heartbeat:
+    """A gc's marker, rewritten now and then so saves can tell a live gc from a dead one."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store, self.key = store, key
+        self.last = 0.0
+        self()
+
+    def __call__(self) -> None:
+        now = time.time()
+        if now - self.last >= GC_HEARTBEAT_SECONDS:
+            pid = os.getpid()
+            owner = {"pid": pid, "host": socket.gethostname(), "started": process_start(pid)}
+            self.store.put(self.key, json.dumps({"created": now, **owner}).encode())
+            self.last = now
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Field 22, counted after the command name, which may itself hold spaces.
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _owner_gone(doc: object) -> bool:
+    """Whether a marker's process has provably exited (same host, pid gone or reused)."""
+    if not isinstance(doc, dict) or doc.get("host") != socket.gethostname():
+        return False  # another machine's gc: only its heartbeat can tell
+    pid = doc.get("pid")
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, owned by someone else
+    started = doc.get("started")
+    now_started = process_start(pid)
+    return type(started) is int and now_started is not None and now_started != started
+
+
+def gc_markers(store: Store) -> list[tuple[Blob, str | None]]:
+    """Each gc marker, with why its gc is dead (None: it may be running)."""
+    out: list[tuple[Blob, str | None]] = []
+    now = time.time()
+    for blob in store.list("gc"):
+        if is_temp(blob.key):
+            continue
+        age = now - blob.mtime
+        if age >= GC_STALE_SECONDS:
+            out.append((blob, f"its heartbeat is {age:.0f} s old"))
+            continue
+        try:
+            doc = json.loads(store.get(blob.key))
+        except FileNotFoundError:
+            continue  # that gc just finished
+        except (ValueError, RecursionError, OSError):
+            doc = None  # a marker being rewritten, or damaged: only its age can tell
+        gone = _owner_gone(doc)
+        out.append((blob, "its process has exited" if gone else None))
+    return out
+
+
+def _say_waiting(store: Store, marker: Blob, gc_wait: float) -> None:
+    age = max(0.0, time.time() - marker.mtime)
+    log.warning(
+        "%s: waiting for the gc that holds %s (heartbeat %.0f s old): up to %.0f s, until "
+        "its heartbeat is %.0f s old or gc_wait=%.0f s runs out. If that gc was killed on "
+        "another machine, 'weightvault vault ROOT gc --break-lock' ends the wait once the "
+        "heartbeat is stale",
+        store.url,
+        marker.key,
+        age,
+        min(gc_wait, max(0.0, GC_STALE_SECONDS - age)),
+        GC_STALE_SECONDS,
+        gc_wait,
+    )
+
+
+def wait_for_gc(store: Store, gc_wait: float) -> None:
+    """Return once no gc runs; give up after ``gc_wait`` seconds.
+
+    Waiting is not what keeps objects safe (gc re-checks before it deletes anything); it
+    only keeps a save from rewriting objects a running gc is about to free.
+
+    Raises:
+        VaultBusyError: A gc's heartbeat stayed fresh for ``gc_wait`` seconds.
+    """
+    deadline = time.monotonic() + gc_wait
+    delay = 0.01
+    told = False
+    while True:
+        running = [b for b, dead in gc_markers(store) if dead is None]
+        if not running:
+            return
+        if not told:
+            _say_waiting(store, running[0], gc_wait)
+            told = True
+        if time.monotonic() > deadline:
+            raise VaultBusyError(
+                f"{store.url}: a gc has been running for over {gc_wait:.0f} s "
+                f"({running[0].key}); retry later, or run 'weightvault vault ROOT gc "
+                "--break-lock' if that gc died"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _untrash(store: Store, whose: Callable[[str], bool], beat: Beat = lambda: None) -> int:
+    """Move objects back from the trash of every gc ``whose(id)`` selects."""
+    restored = 0
+    for blob in store.list("trash"):
+        parts = blob.key.split("/")
+        if len(parts) != 3 or is_temp(blob.key) or not DIGEST.fullmatch(parts[2]):
+            continue
+        if whose(parts[1]) and store.rename(blob.key, object_key(parts[2])):
+            restored += 1
+            beat()
+    return restored
+
+
+def break_gc_lock(store: Store) -> list[str]:
+    """Remove the markers of gcs that died, after putting their trash back.
+
+    See :meth:`weightvault.Vault.break_gc_lock`.
+
+    Raises:
+        VaultBusyError: A marker's gc may still be running; nothing was changed.
+    """
+    markers = gc_markers(store)
+    alive = [b for b, dead in markers if dead is None]
+    if alive:
+        age = time.time() - alive[0].mtime
+        raise VaultBusyError(
+            f"{store.url}: {alive[0].key}: a gc may still be running (heartbeat "
+            f"{age:.0f} s old, under {GC_STALE_SECONDS:.0f} s); nothing was changed. Wait "
+            "for it to finish, or stop that process and retry once its heartbeat is stale"
+        )
+    # No gc runs, so all trash is a dead gc's (even one whose marker was removed).
+    restored = _untrash(store, lambda owner: True)
+    broken = []
+    for blob, why in markers:
+        store.delete(blob.key)
+        log.warning("%s: removed the marker %s of a dead gc (%s)", store.url, blob.key, why)
+        broken.append(blob.key)
+    if restored:
+        log.warning("%s: put %d objects back from dead gcs' trash", store.url, restored)
+    return broken
+
+
+def _intent_objects(store: Store, beat: Beat, expire_before: float | None) -> set[str]:
+    """Every object an intent names; removes intents older than ``expire_before``."""
+    live: set[str] = set()
+    for blob in store.list("intents"):
+        if is_temp(blob.key):
+            continue  # an intent still being written; its save has not looked yet
+        if expire_before is not None and blob.mtime < expire_before:
+            store.delete(blob.key)  # its save died
+            continue
+        try:
+            doc = json.loads(store.get(blob.key))
+            live |= {str(h) for h in doc["objects"]}
+        except FileNotFoundError:
+            continue  # its save finished; its checkpoint is read next
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise FormatError(
+                f"{store.url}/{blob.key}: unreadable intent; gc deleted nothing. It "
+                "expires after an hour, or delete it if no save is running"
+            ) from e
+        beat()
+    return live
+
+
+def _live(store: Store, beat: Beat, *, expire_before: float | None) -> set[str]:
+    """Every object an intent or a checkpoint names."""
+    # Intents before checkpoints: a save that commits and drops its intent between the
+    # two reads is then still seen, as a checkpoint.
+    live = _intent_objects(store, beat, expire_before)
+    for name in record_names(store):
+        try:
+            ckpt = open_record(store, name, read_doc(store, name))
+        except CheckpointNotFoundError:
+            continue
+        except FormatError as e:
+            raise FormatError(
+                f"{e}; gc deleted nothing, since it cannot tell which objects that "
+                f"checkpoint needs. Remove it with vault.delete({name!r}) or restore it"
+            ) from e
+        live |= set(ckpt.objects.values())
+        beat()
+    return live
+
+
+def _free_trash(
+    store: Store, gc_id: str, moved: list[tuple[Blob, str]], live: set[str], beat: Beat
+) -> int:
+    """Put back what ``live`` names, delete the rest; return the bytes freed."""
+    freed = 0
+    while moved:
+        blob, digest = moved.pop()
+        if digest in live:
+            store.rename(f"trash/{gc_id}/{digest}", blob.key)
+        else:
+            store.delete(f"trash/{gc_id}/{digest}")
+            freed += blob.size
+        beat()
+    return freed
+
+
+def _remove_dead_temps(store: Store, now: float) -> int:
+    """Delete temporary files of writers that died long ago; return object bytes freed.
+
+    Like stale intents, bookkeeping files are removed without counting: what gc reports
+    is tensor data freed, that is, bytes under ``objects/``.
+    """
+    freed = 0
+    for blob in store.list(""):
+        if is_temp(blob.key) and now - blob.mtime > STALE_SECONDS:
+            store.delete(blob.key)
+            if blob.key.startswith("objects/"):
+                freed += blob.size
+    return freed
+
+
+def collect(store: Store) -> int:
+    """One gc run (see the module docstring); returns the object bytes freed.
+
+    Raises:
+        FormatError: A checkpoint record or intent is unreadable; every object is left
+            in place.
+    """
+    gc_id = uuid.uuid4().hex
+    marker = f"gc/{gc_id}.json"
+    beat = _Heartbeat(store, marker)
+    moved: list[tuple[Blob, str]] = []
+    try:
+        running = {
+            b.key.rsplit("/", 1)[-1].removesuffix(".json")
+            for b, why in gc_markers(store)
+            if why is None
+        }
+        # Trash whose gc has no live marker belongs to a gc that died: put it back, so
+        # its objects are judged afresh below.
+        _untrash(store, lambda owner: owner != gc_id and owner not in running, beat)
+        objects = [b for b in store.list("objects") if not is_temp(b.key)]
+        now = time.time()
+        live = _live(store, beat, expire_before=now - STALE_SECONDS)
+        for blob in objects:
+            digest = blob.key.rsplit("/", 1)[-1]
+            if digest not in live and store.rename(blob.key, f"trash/{gc_id}/{digest}"):
+                moved.append((blob, digest))
+                beat()
+        # The decision: anything named now, after the move, goes back. A save that saw
+        # one of these objects before it moved registered its intent before that, so it
+        # (or the checkpoint it committed) is visible here.
+        live = _live(store, beat, expire_before=None)
+        return _free_trash(store, gc_id, moved, live, beat) + _remove_dead_temps(store, now)
+    finally:
+        # On any error, whatever is still in the trash goes back before gc stops.
+        for blob, digest in moved:
+            store.rename(f"trash/{gc_id}/{digest}", blob.key)
+        store.delete(marker)

@@ -1,0 +1,82 @@
+"""``vault.json``: what makes a folder (or a URL prefix) a vault.
+
+A vault is created by its first write (a save's intent, see :mod:`.commit`) or by
+``Vault(path, create=True)``, never by opening it: ``Vault("typo")`` followed by a read
+raises :class:`VaultNotFoundError` and leaves nothing behind.
+
+Example:
+    >>> holds_vault(open_store("runs/none-yet"))
+    False
+"""
+
+from __future__ import annotations
+
+import json
+
+from .._base.errors import FormatError, VaultNotFoundError
+from .records import VERSION
+from .store import Store
+
+__all__ = ["FORMAT", "MARKER", "create_vault", "holds_vault", "require_vault"]
+
+FORMAT = "weightvault-vault"
+MARKER = "vault.json"
+
+
+def _not_a_vault(store: Store, why: str) -> FormatError:
+    return FormatError(
+        f"{store.url}: {why}, not a weightvault vault of version {VERSION}; point Vault() "
+        "at an empty folder, a new path, or an existing vault"
+    )
+
+
+def holds_vault(store: Store) -> bool:
+    """Whether the store's root holds a vault; ``False`` if it holds nothing of one yet.
+
+    Raises:
+        FormatError: The root is a file, or its ``vault.json`` is not one of ours.
+    """
+    try:
+        raw = store.get(MARKER)
+    except (FileNotFoundError, NotADirectoryError):
+        if store.root_is_file():
+            raise _not_a_vault(store, "this is a file") from None
+        return False
+    except IsADirectoryError:
+        raise _not_a_vault(store, "vault.json is a folder") from None
+    try:
+        found = json.loads(raw)
+        ok = found.get("format") == FORMAT and found.get("version") == VERSION
+    except (ValueError, AttributeError, RecursionError):
+        ok = False
+    if not ok:
+        raise _not_a_vault(store, "vault.json is another file")
+    return True
+
+
+def create_vault(store: Store) -> None:
+    """Make the root a vault, unless it is one already (the first writer wins).
+
+    Raises:
+        FormatError: The root holds something that is not a vault.
+    """
+    if holds_vault(store):
+        return
+    marker = {"format": FORMAT, "version": VERSION, "hash": "blake3"}
+    if not store.put(MARKER, json.dumps(marker).encode(), exclusive=True):
+        holds_vault(store)  # another writer made it meanwhile: check it is a vault
+
+
+def require_vault(store: Store) -> None:
+    """Refuse to read a path that holds no vault.
+
+    Raises:
+        VaultNotFoundError: Nothing there is a vault yet; names the path and the fix.
+        FormatError: The root holds something that is not a vault.
+    """
+    if not holds_vault(store):
+        raise VaultNotFoundError(
+            f"{store.url}: no vault here (no vault.json); check the path, or save a "
+            "checkpoint first: a vault is created by its first save, or by "
+            "Vault(path, create=True)"
+        )

@@ -1,0 +1,341 @@
+"""Checkpoint records: ``checkpoints/<name>.json``, what they hold and how they are read.
+
+A record is the commit of one checkpoint: its creation time, byte counts, your metadata,
+the safetensors header the checkpoint would have as one file, and the object of each
+stored tensor (or, for DCP checkpoints, of each chunk). Records are input like any file:
+every field is checked before use, and damage raises :class:`FormatError` naming the
+record and the field, never a crash.
+
+Checkpoint names become keys, so :func:`check_name` is the one gate every entry point
+passes a name through.
+
+Example:
+    >>> check_name("step-100", "runs/ft")
+    'step-100'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._base.errors import (
+    CheckpointExistsError,
+    CheckpointNameError,
+    CheckpointNotFoundError,
+    FormatError,
+    capped,
+)
+from .._file.header import Header, parse_header
+from .._file.manifest import Manifest, read_manifest
+from .store import Store
+
+__all__ = [
+    "VERSION",
+    "CheckpointRecord",
+    "check_free",
+    "check_name",
+    "data_size",
+    "delete_record",
+    "list_records",
+    "next_name",
+    "parse_header_text",
+    "parse_record",
+    "read_doc",
+    "record_key",
+    "record_names",
+    "resolve",
+]
+
+#: The version of the vault layout and of every record in it.
+VERSION = 1
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: The largest count a record may hold (byte counts, tensor counts).
+_MAX_COUNT = 2**63 - 1
+#: Record times must lie between the epoch and the end of year 9999 (what dates can show).
+_MAX_TIME = 253402128000.0
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One committed checkpoint.
+
+    Attributes:
+        name: Its name in the vault.
+        created: When it was committed (seconds since the epoch).
+        logical_bytes: What its tensors take with every name written out.
+        stored_bytes: Its distinct tensor bytes (what a deduplicated single file holds).
+        new_bytes: Bytes this checkpoint added to the vault when it was saved.
+        metadata: Your metadata.
+    """
+
+    name: str
+    created: float
+    logical_bytes: int
+    stored_bytes: int
+    new_bytes: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    framework: str | None = None
+    tensors: int = 0
+
+
+def check_name(name: object, where: str, *, latest: bool = False) -> str:
+    """``name`` itself if it may name a checkpoint; the one check every entry point uses.
+
+    A name becomes a key under ``checkpoints/`` (and ``deleted/``), so anything that could
+    reach outside the vault (``..``, ``/``, a trailing newline) is refused here.
+
+    Args:
+        name: What the caller passed.
+        where: The vault, for the message.
+        latest: Also accept ``"latest"`` (reads resolve it to the newest checkpoint).
+
+    Raises:
+        CheckpointNameError: ``name`` is not 1 to 128 ASCII letters, digits, ``.``, ``_``
+            and ``-`` starting with a letter or digit, or is ``latest`` where not allowed.
+    """
+    if isinstance(name, str) and (
+        (latest and name == "latest") or (name != "latest" and _NAME.fullmatch(name))
+    ):
+        return name
+    shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+    raise CheckpointNameError(
+        f"{where}: checkpoint name {shown} is not allowed; use 1 to 128 letters, digits, "
+        "'.', '_' and '-', starting with a letter or digit"
+        + ("" if latest else " (and not 'latest')")
+    )
+
+
+def record_key(name: str) -> str:
+    """The key of checkpoint ``name``'s record."""
+    return f"checkpoints/{name}.json"
+
+
+def check_free(store: Store, name: str | None) -> None:
+    """Refuse, before any work, a name that is invalid or already taken.
+
+    Raises:
+        CheckpointNameError: ``name`` is not a valid name.
+        CheckpointExistsError: A checkpoint already has that name.
+    """
+    if name is None:
+        return
+    check_name(name, store.url)
+    if store.exists(record_key(name)):
+        raise CheckpointExistsError(
+            f"{store.url}: checkpoint {name!r} already exists; pick another name "
+            "or delete it first with vault.delete(name)"
+        )
+
+
+def next_name(store: Store) -> str:
+    """The next checkpoint number (``000001``, ...), never one handed out before."""
+    # Deleted checkpoints leave a tombstone, so a number is never handed out twice.
+    gone = [b.key.rsplit("/", 1)[-1].removesuffix(".json") for b in store.list("deleted")]
+    # isascii: "²".isdigit() holds, but int("²") fails.
+    numbers = [int(n) for n in [*record_names(store), *gone] if n.isascii() and n.isdigit()]
+    return f"{max(numbers, default=0) + 1:06d}"
+
+
+def delete_record(store: Store, name: str) -> None:
+    """Remove checkpoint ``name``'s record, leaving a tombstone for a numbered name.
+
+    Raises:
+        CheckpointNameError: ``name`` is not a valid name.
+        CheckpointNotFoundError: No checkpoint has that name.
+    """
+    with contextlib.suppress(FormatError):  # a damaged record can still be removed
+        read_doc(store, name)
+    if name.isdigit():
+        store.put(f"deleted/{name}.json", json.dumps({"deleted": time.time()}).encode())
+    store.delete(record_key(name))
+
+
+def record_names(store: Store) -> list[str]:
+    """The name of every record that :func:`check_name` would accept."""
+    out = []
+    for b in store.list("checkpoints"):
+        folder, _, base = b.key.rpartition("/")
+        name = base.removesuffix(".json")
+        # Files save() could not have made (nested, or a name check_name refuses) are
+        # not checkpoints: they are neither listed nor opened.
+        if folder == "checkpoints" and base.endswith(".json") and _NAME.fullmatch(name):
+            out.append(name)
+    return out
+
+
+def read_doc(store: Store, name: str) -> dict[str, Any]:
+    """Checkpoint ``name``'s record as JSON, its version checked.
+
+    Raises:
+        CheckpointNotFoundError: No checkpoint has that name.
+        FormatError: The record is a folder, not JSON, or of an unknown version.
+    """
+    key = record_key(check_name(name, store.url))
+    try:
+        raw = store.get(key)
+    except FileNotFoundError:
+        known = record_names(store)
+        raise CheckpointNotFoundError(
+            f"{store.url}: no checkpoint named {name!r}; it has {capped(known) or 'none'}"
+        ) from None
+    except IsADirectoryError:
+        raise FormatError(f"{store.url}/{key}: checkpoint record is a folder") from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{store.url}/{key}: checkpoint record is not valid JSON") from e
+    if (
+        not isinstance(doc, dict)
+        or type(doc.get("version")) is not int
+        or doc["version"] != VERSION
+    ):
+        raise FormatError(f"{store.url}/{key}: unknown checkpoint record version")
+    return doc
+
+
+def list_records(store: Store) -> list[CheckpointRecord]:
+    """Every committed checkpoint's record, oldest first."""
+    records = []
+    for name in record_names(store):
+        try:
+            doc = read_doc(store, name)
+        except CheckpointNotFoundError:
+            continue  # deleted while we listed
+        records.append(parse_record(name, doc, f"{store.url}/{record_key(name)}"))
+    return sorted(records, key=lambda r: (r.created, r.name))
+
+
+def resolve(store: Store, name: str) -> str:
+    """``name`` itself, or for ``"latest"`` the newest checkpoint's name.
+
+    Raises:
+        CheckpointNameError: ``name`` is not a valid name.
+        CheckpointNotFoundError: ``name`` is ``"latest"`` and the vault has no checkpoints.
+    """
+    if check_name(name, store.url, latest=True) != "latest":
+        return name
+    records = list_records(store)
+    if not records:
+        raise CheckpointNotFoundError(f"{store.url}: the vault has no checkpoints yet")
+    return records[-1].name
+
+
+def data_size(raw: bytes, where: str) -> int:
+    """How big the data behind header ``raw`` would be, from its own offsets.
+
+    :func:`~.._file.header.parse_header` then checks the offsets against that size.
+    """
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: checkpoint header is not valid JSON") from e
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: checkpoint header is {type(doc).__name__}, not an object")
+    ends = [0]
+    for name, entry in doc.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int and 0 <= o <= _MAX_COUNT for o in offsets)
+        ):
+            raise FormatError(f"{where}: checkpoint header: tensor {name!r:.80} has bad offsets")
+        ends.append(offsets[1])
+    return max(ends)
+
+
+def parse_header_text(header_text: object, where: str) -> tuple[Header, Manifest]:
+    """A record's ``header`` string, parsed and its manifest read.
+
+    Raises:
+        FormatError: Whatever is wrong with it, never another error: a record is input
+            like any file, so damage is reported, never a crash of verify() or the CLI.
+    """
+    if not isinstance(header_text, str):
+        raise FormatError(f"{where}: checkpoint record lacks its header")
+    try:
+        raw = header_text.encode("utf-8")
+        header = parse_header(raw, 8 + len(raw) + data_size(raw, where), where)
+        return header, read_manifest(header.metadata, header.tensors, where)
+    except FormatError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+            RecursionError, MemoryError) as e:  # fmt: skip
+        raise FormatError(f"{where}: checkpoint header is malformed ({e!r:.100})") from e
+
+
+_REQUIRED: Any = object()
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= _MAX_COUNT
+
+
+def _is_moment(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= _MAX_TIME
+
+
+def _is_strings(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, str) for k, x in v.items()
+    )
+
+
+def _field(
+    doc: Mapping[str, Any],
+    where: str,
+    key: str,
+    ok: Callable[[Any], bool],
+    expected: str,
+    default: Any = _REQUIRED,
+) -> Any:
+    if key not in doc and default is not _REQUIRED:
+        return default
+    if key not in doc:
+        raise FormatError(
+            f"{where}: checkpoint record lacks {key!r}; restore the record or delete it"
+        )
+    value = doc[key]
+    if not ok(value):
+        raise FormatError(
+            f"{where}: checkpoint record field {key!r} is {_shown(value)}, expected "
+            f"{expected}; restore the record or delete it"
+        )
+    return value
+
+
+def parse_record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRecord:
+    """The record's fields, each checked: a record is hostile input like any file.
+
+    Raises:
+        FormatError: A field is absent or of the wrong kind, naming it.
+    """
+    n = "a byte count"
+    return CheckpointRecord(
+        name=name,
+        created=float(
+            _field(doc, where, "created", _is_moment, "seconds since 1970 before year 10000")
+        ),
+        logical_bytes=_field(doc, where, "logical_bytes", _is_count, n),
+        stored_bytes=_field(doc, where, "stored_bytes", _is_count, n),
+        new_bytes=_field(doc, where, "new_bytes", _is_count, n),
+        metadata=dict(_field(doc, where, "metadata", _is_strings, "an object of strings", {})),
+        framework=_field(
+            doc, where, "framework", lambda v: v is None or isinstance(v, str), "a string", None
+        ),
+        tensors=_field(doc, where, "tensors", _is_count, "a count", 0),
+    )

@@ -1,0 +1,178 @@
+"""What :meth:`weightvault.Vault.save` does around the commit protocol of :mod:`.commit`.
+
+From a model's sources to a committed record: plan the stored tensors (ties and copies
+found, as for a single file), hash each one once on every core, commit through
+:mod:`.commit`, and write the record: the header the checkpoint would have as one file,
+with the xxh3 checksum of every tensor, which loads check.
+
+Checksums cost a pass over the bytes, so they are known by object: a present object's
+checksum comes from this process's earlier saves (:class:`Checksums`) or the newest
+records, and only new objects (and present ones no recent record names) are read again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .._base.errors import CheckpointNotFoundError, FormatError
+from .._file.header import TensorInfo, encode_header
+from .._file.layout import with_training
+from .._file.manifest import MANIFEST_KEY
+from .._file.sharing import Plan, Source, Stored, plan
+from .._file.writer import layout
+from .checkpoint import VaultCheckpoint
+from .commit import begin, commit_record, each, release, store_missing, workers
+from .objects import checksum, content_hash, is_temp
+from .records import VERSION, CheckpointRecord, parse_record, read_doc
+from .store import Store
+
+__all__ = ["SUM_RECORDS", "Checksums", "Progress", "save_sources"]
+
+#: How many of the newest checkpoint records a save reads to find the checksums of
+#: objects the vault already holds; an object none of them names is checksummed again.
+SUM_RECORDS = 4
+
+Progress = Callable[[int], None]
+Placed = list[tuple[Stored, TensorInfo]]
+
+
+class Checksums(dict[str, str]):
+    """``{blake3 object name: xxh3 checksum}`` of every object a vault instance has seen.
+
+    The checksum is a function of the bytes the name is the hash of, so it never goes
+    stale, whatever gc or other writers do to the vault.
+    """
+
+    def learn(self, store: Store, wanted: Iterable[str]) -> None:
+        """Add what the newest records say about the ``wanted`` objects.
+
+        A record is as trusted as the objects it names: a load checks the same
+        checksums. A wrong one here makes the new checkpoint fail its load checks, it
+        never hides damage. Unreadable records are skipped (the object is then
+        checksummed again).
+        """
+        wanted = set(wanted) - set(self)
+        if not wanted:
+            return
+        blobs = [
+            b for b in store.list("checkpoints") if b.key.endswith(".json") and not is_temp(b.key)
+        ]
+        blobs.sort(key=lambda b: b.mtime, reverse=True)
+        for blob in blobs[:SUM_RECORDS]:
+            name = blob.key.rsplit("/", 1)[-1].removesuffix(".json")
+            try:
+                ckpt = VaultCheckpoint(store, name, read_doc(store, name))
+            except (FormatError, CheckpointNotFoundError):
+                continue
+            for stored, digest in ckpt.objects.items():
+                known = ckpt.manifest.sums.get(stored)
+                if digest in wanted and known is not None:
+                    self[digest] = known
+                    wanted.discard(digest)
+            if not wanted:
+                return
+
+
+def _address(pool: ThreadPoolExecutor, placed: Placed, progress: Progress | None) -> dict[str, str]:
+    """Every stored tensor's object name: each byte is hashed exactly once, on all cores.
+
+    No tensor is skipped as "unchanged": a version counter misses writes made through
+    ``.data``, so only the bytes themselves can say whether a tensor changed.
+    """
+    stored = [s for s, _ in placed]
+    done = (lambda s: progress(s.nbytes)) if progress else None
+    hashes = each(pool, lambda s: content_hash(s.data()), stored, done)
+    return {s.name: h for s, h in zip(stored, hashes, strict=True)}
+
+
+def _store(
+    store: Store,
+    pool: ThreadPoolExecutor,
+    placed: Placed,
+    digests: Mapping[str, str],
+    sums: Checksums,
+) -> int:
+    """Write the objects the vault lacks and learn every checksum; return the new bytes."""
+    first: dict[str, Stored] = {}
+    for s, _ in placed:
+        first.setdefault(digests[s.name], s)
+
+    def wrote(digest: str, data: memoryview | bytes) -> None:
+        if digest not in sums:
+            sums[digest] = checksum(data)  # the bytes just written, read once
+
+    new = store_missing(
+        store, {d: (s.nbytes, s.data) for d, s in first.items()}, pool=pool, wrote=wrote
+    )
+    sums.learn(store, first)
+    unknown = [d for d in first if d not in sums]
+    for digest, value in zip(
+        unknown, each(pool, lambda d: checksum(first[d].data()), unknown), strict=True
+    ):
+        sums[digest] = value
+    return sum(first[d].nbytes for d in new)
+
+
+def _record_doc(
+    p: Plan,
+    placed: Placed,
+    digests: Mapping[str, str],
+    sums: Mapping[str, str],
+    framework: str | None,
+    metadata: Mapping[str, str] | None,
+    new_bytes: int,
+) -> dict[str, Any]:
+    # The same fast checksums a single file carries: what load(verify=True) checks.
+    manifest = p.manifest(
+        dict(metadata or {}), sums={s.name: sums[digests[s.name]] for s, _ in placed}
+    )
+    meta = {"format": framework} if framework else {}
+    meta[MANIFEST_KEY] = manifest.encode()
+    header = encode_header([info for _, info in placed], meta)[8:].decode("utf-8")
+    return {
+        "version": VERSION,
+        "created": time.time(),
+        "framework": framework,
+        "metadata": dict(metadata or {}),
+        "logical_bytes": p.logical_bytes,
+        "stored_bytes": p.stored_bytes,
+        "new_bytes": new_bytes,
+        "tensors": len(p.names),
+        "header": header.rstrip(" "),
+        "objects": {s.name: digests[s.name] for s, _ in placed},
+    }
+
+
+def save_sources(
+    store: Store,
+    sources: list[Source],
+    training: dict[str, Any] | None,
+    *,
+    name: str | None,
+    framework: str | None,
+    metadata: Mapping[str, str] | None,
+    progress: Progress | None,
+    sums: Checksums,
+    gc_wait: float,
+) -> CheckpointRecord:
+    """Commit ``sources`` (and ``training``'s section) as one checkpoint.
+
+    Raises:
+        CheckpointExistsError: Another writer took ``name`` first.
+        VaultBusyError: A gc kept running for ``gc_wait`` seconds.
+    """
+    p = with_training(plan(sources), training)
+    placed = layout(p.stored)
+    pool = workers()
+    digests = _address(pool, placed, progress)
+    intent = begin(store, digests.values(), gc_wait=gc_wait)
+    try:
+        new_bytes = _store(store, pool, placed, digests, sums)
+        doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
+        name = commit_record(store, doc, name)
+    finally:
+        release(store, [intent])
+    return parse_record(name, doc, name)
