@@ -42,7 +42,7 @@ def test_the_vault_saves_and_loads_numpy_dicts(tmp_path: Path) -> None:
 
 
 def test_numpy_state_is_refused_clearly(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="np models: the vault cannot save optimizer"):
+    with pytest.raises(TypeError, match="weightvault.numpy: the vault saves no optimizer"):
         Vault(tmp_path / "v").save({"w": np.zeros(2)}, rng=True)
 
 
