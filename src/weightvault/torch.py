@@ -108,7 +108,8 @@ def save(
             save waits for the first.
 
     Returns:
-        What was stored, aliased and copied, and the bytes saved.
+        What was stored, aliased and copied, and the bytes saved (a
+        :class:`~weightvault.SaveHandle` of it with ``background=True``).
 
     Raises:
         UnsupportedValueError: A dict value is not a tensor, or a tensor is sparse.
