@@ -35,9 +35,9 @@ def unique_buffers(model: torch.nn.Module) -> list[memoryview]:
     """The bytes weightvault stores for ``model`` (ties and equal copies removed), in order."""
     from weightvault._file import writer as _writer
     from weightvault._file.sharing import plan
-    from weightvault.torch import _sources
+    from weightvault.torch import sources as model_sources
 
-    sources, _ = _sources(model)
+    sources, _ = model_sources(model)
     return [s.data().cast("B") for s, _ in _writer.layout(plan(sources).stored)]
 
 

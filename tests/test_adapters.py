@@ -20,7 +20,7 @@ def test_every_registered_adapter_offers_the_contract(module: str) -> None:
     except ImportError:
         pytest.skip(f"{module}'s framework is not installed")
     assert isinstance(adapter.FRAMEWORK, str) and adapter.FRAMEWORK
-    for hook in ("owns", "sources", "load"):
+    for hook in ("owns", "sources", "load", "checkpoint_sources"):
         assert callable(getattr(adapter, hook)), f"{module} lacks {hook}"
     assert not adapter.owns(object())
 
@@ -42,7 +42,7 @@ def test_the_vault_saves_and_loads_numpy_dicts(tmp_path: Path) -> None:
 
 
 def test_numpy_state_is_refused_clearly(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="weightvault.numpy: the vault saves no optimizer"):
+    with pytest.raises(TypeError, match=r"weightvault\.numpy: the vault saves no optimizer"):
         Vault(tmp_path / "v").save({"w": np.zeros(2)}, rng=True)
 
 

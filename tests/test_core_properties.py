@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from weightvault._file.checkpoint import MemoryCheckpoint
 from weightvault._file.sharing import Source, plan
-from weightvault._load.plan import Target, plan_load
+from weightvault._load.plan import LoadOptions, Target, plan_load
 
 DTYPES = {"U8": 1, "F16": 2, "F32": 4}
 
@@ -88,7 +88,7 @@ def test_plan_load_gives_every_name_its_saved_bytes(
         p.manifest(),
     )
     targets = [Target(name, identity, dtype, shape) for name, dtype, shape, _, identity in model]
-    lp = plan_load(ckpt, targets, strict=True)
+    lp = plan_load(ckpt, targets, LoadOptions(strict=True))
     assigned = {n: a.source for a in lp.assignments for n in a.names}
     assert sorted(assigned) == sorted(by_name)
     assert sorted(lp.report.loaded) == sorted(by_name)

@@ -238,7 +238,7 @@ def test_gpt2_like_nnx_model_with_tied_embedding(tmp_path):
     model = GPT(0)
     ids = jnp.array([[1, 5, 7, 3]])
     path = tmp_path / "gpt.safetensors"
-    report = wvj.save(model, path, dedupe_copies=False)  # the tie alone, not equal LN scales
+    report = wvj.save(model, path)  # the tie alone: equal LN scales stay copies on disk
     assert report.aliases == {"wte.embedding": "lm_head.weight"}
     assert report.bytes_saved == 50 * 16 * 4
     assert sorted(st_flax(path)) == sorted(report.stored)
@@ -350,6 +350,77 @@ def test_narrow_dtypes_round_trip_through_ml_dtypes(tmp_path, dtype, name):
     tree, _ = wvj.load({"a": jnp.zeros((3, 4), dtype)}, path)
     assert tree["a"].dtype == dtype
     np.testing.assert_array_equal(np.asarray(tree["a"]), np.asarray(a))
+
+
+def _torch_views(torch_dtype_name: str) -> tuple[dict, dict]:
+    """Views of one tensor of every bit pattern of ``torch_dtype_name``, saved by torch.
+
+    Returns ``(views, bits)``: the torch views to save, and each view's bit patterns (the
+    oracle) as unsigned integers, from torch itself.
+    """
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, torch_dtype_name)
+    width = torch.tensor([], dtype=dtype).element_size()
+    words = {1: torch.uint8, 2: torch.int16}[width]
+    # Every bit pattern, NaNs and infinities included: a decoder may not touch one bit.
+    count = 256 if width == 1 else 4096
+    codes = (torch.arange(count, dtype=torch.int64) * (1 if width == 1 else 16)) % (1 << 8 * width)
+    if width == 2:
+        codes = torch.where(codes >= 1 << 15, codes - (1 << 16), codes)
+    base = codes.to(words).view(dtype).reshape(16, count // 16)
+    views = {
+        "base": base,
+        "t": base.t(),  # a transposed view: strides (1, n)
+        "row": base[3],
+        "col": base[:, 5],  # a stride-n column
+        "steps": base[1::3, 2::5],  # an offset into the storage, two strides
+    }
+    bits = {k: v.contiguous().view(words).numpy() for k, v in views.items()}
+    return views, bits
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).view({1: np.uint8, 2: np.int16}[np.asarray(a).dtype.itemsize])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float16"],
+)
+def test_narrow_dtype_views_read_bitwise(tmp_path, dtype):
+    """Strided views of bf16 and fp8 tensors (saved by torch) read bit for bit."""
+    import weightvault.torch as wvt
+
+    views, bits = _torch_views(dtype)
+    path = tmp_path / "views.safetensors"
+    report = wvt.save(views, path)
+    assert set(report.views) >= {"t", "col", "steps"}  # really stored as views
+    want = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+    arrays = wvj.load_file(path)
+    for name, expected in bits.items():
+        assert arrays[name].dtype == want, name
+        np.testing.assert_array_equal(_bits(arrays[name]), expected, err_msg=name)
+    tree = {k: jnp.zeros(v.shape, want) for k, v in bits.items()}
+    loaded, rep = wvj.load(tree, path)
+    assert rep.ok
+    for name, expected in bits.items():
+        np.testing.assert_array_equal(_bits(loaded[name]), expected, err_msg=name)
+
+
+def test_default_save_keeps_copies_visible_to_plain_readers(tmp_path):
+    """Equal but separate arrays are stored under every name, as torch, Keras and numpy do."""
+    from safetensors.numpy import load_file
+
+    tree = {"enc": {"scale": jnp.ones(4)}, "dec": {"scale": jnp.ones(4)}}
+    path = tmp_path / "copies.safetensors"
+    report = wvj.save(tree, path)
+    assert report.copies == {}
+    plain = load_file(path)
+    assert sorted(plain) == ["dec.scale", "enc.scale"]
+    np.testing.assert_array_equal(plain["enc.scale"], np.ones(4, np.float32))
+    deduped = tmp_path / "deduped.safetensors"
+    assert wvj.save(tree, deduped, dedupe_copies=True).copies == {"enc.scale": "dec.scale"}
+    assert sorted(wvj.load_file(deduped)) == ["dec.scale", "enc.scale"]
 
 
 def test_cast_converts_and_numpy_leaves_stay_numpy(tmp_path):

@@ -19,6 +19,7 @@ import weightvault.keras as wvk  # noqa: E402
 from weightvault._base.errors import KerasInternalsChanged  # noqa: E402
 from weightvault._file.checkpoint import SafetensorsFile  # noqa: E402
 from weightvault._keras.internals import SUPPORTED, _lookup  # noqa: E402
+from weightvault._keras.walk import walk  # noqa: E402
 
 #: (weightvault's name, the dataset path in Keras' own .weights.h5), in save order.
 PINNED = [
@@ -49,7 +50,7 @@ def test_weight_names_are_pinned(tmp_path: Path) -> None:
     wvk.save(model, tmp_path / "m.safetensors")
     with SafetensorsFile(tmp_path / "m.safetensors") as ckpt:
         assert ckpt.names == [ours for ours, _ in PINNED]
-    assert [(v.name, v.keras_name) for v in wvk._walk(model)] == PINNED
+    assert [(v.name, v.keras_name) for v in walk(model)] == PINNED
     # The oracle: the paths Keras itself writes.
     model.save_weights(tmp_path / "m.weights.h5")
     paths: list[str] = []

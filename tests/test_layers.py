@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("one file: header, manifest, sharing plan, writer, reader, arrays", {"_file"}),
     ("loading by name: rules, transforms, load plan", {"_load", "rules"}),
     ("training state, framework-free", {"_training"}),
-    ("frameworks' private halves", {"_torch", "_keras"}),
+    ("frameworks' private halves", {"_torch", "_keras", "_numpy", "_jax"}),
     ("foreign formats and the opener", {"formats"}),
     ("whole-file tools: inspect, convert", {"_tools"}),
     ("adapters", {"torch", "keras", "numpy", "jax"}),

@@ -103,3 +103,22 @@ def test_verify_checks_checksums(tmp_path: Path) -> None:
     assert wvn.load_file(path)["w"][-1] != 1
     with pytest.raises(weightvault.ChecksumError):
         wvn.load_file(path, verify=True)
+
+
+def test_a_tie_filled_from_equal_views_loads_and_unequal_views_conflict(tmp_path: Path) -> None:
+    """The plan compares views by their bits, so every adapter (numpy too) can tell equal
+    views from different ones; before, numpy called any two views different."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    base = np.array([1, 2, 1, 2, 3, 4], dtype=ml_dtypes.bfloat16)
+    path = tmp_path / "views.safetensors"
+    report = wvn.save({"base": base, "a": base[0:2], "b": base[2:4], "c": base[4:6]}, path)
+    assert sorted(report.views) == ["a", "b", "c"]
+    tied = np.zeros(2, ml_dtypes.bfloat16)
+    arrays = {"base": np.zeros(6, ml_dtypes.bfloat16), "a": tied, "b": tied}
+    loaded = wvn.load(arrays, path, strict=False)
+    assert sorted(loaded.loaded) == ["a", "b", "base"]
+    np.testing.assert_array_equal(tied, base[0:2])
+    before = arrays["base"].copy()
+    with pytest.raises(weightvault.TieConflictError, match="a / c"):
+        wvn.load({"base": arrays["base"], "a": tied, "c": tied}, path, strict=False)
+    np.testing.assert_array_equal(arrays["base"], before)  # nothing was copied

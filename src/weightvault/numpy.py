@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from ._base.background import SnapshotPool
-from ._base.dtypes import FRAMEWORK_NAMES, NUMPY_NATIVE, numpy_dtype, unsupported
+from ._base.dtypes import numpy_dtype
 from ._base.errors import (
     BackendNotInstalled,
     UnsupportedDtypeError as UnsupportedDtypeError,
@@ -34,21 +33,19 @@ except ImportError as e:  # pragma: no cover - exercised only without numpy
 
 from ._base.reports import LoadReport, SaveReport
 from ._base.types import PathLike
-from ._file import writer as _writer
-from ._file.checkpoint import Checkpoint, CheckpointSource, Entry
+from ._file.arrays import array_bytes, read_array
+from ._file.checkpoint import CheckpointSource
 from ._file.sharing import Source
-from ._load.plan import RulesArg, Target, plan_load
+from ._load.plan import LoadOptions, RulesArg, Target, plan_load
+from ._load.steps import save_file, separate_cost, start_reading
+from ._load.values import read_values
+from ._numpy.sources import array_dtype, untrained_checkpoint_sources
 from .formats._open import opened
 
 __all__ = ["load", "load_file", "save"]
 
 #: The ``"format"`` written into ``__metadata__``.
 FRAMEWORK = "np"
-
-
-#: Dtypes numpy has natively, and those that need ``ml_dtypes``, by safetensors name.
-NATIVE = {k: FRAMEWORK_NAMES[k] for k in NUMPY_NATIVE}
-ML_DTYPES = {k: v for k, v in FRAMEWORK_NAMES.items() if k not in NUMPY_NATIVE}
 
 
 def dtype_of(name: str) -> Any:
@@ -62,27 +59,7 @@ def dtype_of(name: str) -> Any:
 
 
 def _name_of(key: str, a: np.ndarray) -> str:
-    dt = a.dtype
-    if dt.kind != "V" and dt.names is None:
-        for name, np_name in NATIVE.items():
-            if dt.kind != "b" and np.dtype(np_name) == dt.newbyteorder("="):
-                return name
-            if dt.kind == "b" and name == "BOOL":
-                return name
-    for name, ml_name in ML_DTYPES.items():
-        if dt.name == ml_name:
-            return name
-    raise unsupported(f"array {key!r}", dt, ".astype(np.float32)")
-
-
-def _bytes(a: np.ndarray) -> memoryview:
-    if a.size == 0:
-        return memoryview(b"")
-    c = np.ascontiguousarray(a)
-    if c.dtype.byteorder == ">":
-        c = c.astype(c.dtype.newbyteorder("<"))
-    out: memoryview = c.reshape(-1).view(np.uint8).data
-    return out
+    return array_dtype(f"array {key!r}", a.dtype, ".astype(np.float32)")
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -114,14 +91,14 @@ def _source(key: str, a: np.ndarray) -> Source:
         and all(s >= 0 and s % size == 0 for s in a.strides)
     )
     if not usable:
-        return Source(key, dtype, shape, identity, lambda: _bytes(a))
+        return Source(key, dtype, shape, identity, lambda: array_bytes(a))
     flat = root.reshape(-1).view(np.uint8)
     return Source(
         key,
         dtype,
         shape,
         identity,
-        lambda: _bytes(a),
+        lambda: array_bytes(a),
         storage=("np", root.__array_interface__["data"][0]),
         offset=offset,
         stride=tuple(s // size for s in a.strides),
@@ -157,49 +134,8 @@ def save(
         >>> save({"w": w, "w_again": w}, "w.safetensors").aliases
         {'w_again': 'w'}
     """
-    return _writer.save_sources(
-        path,
-        [_source(k, v) for k, v in arrays.items()],
-        framework=FRAMEWORK,
-        metadata=dict(metadata or {}),
-        checksum=checksum,
-        dedupe_copies=dedupe_copies,
-    )
-
-
-def _read(ckpt: Checkpoint, e: Entry, bases: dict[str, memoryview]) -> np.ndarray:
-    """A fresh array holding the values of ``e`` (the caller owns it).
-
-    Bytes are read with ``preadv``, not through a mapping, so a file truncated meanwhile
-    is a :class:`FormatError` instead of a ``SIGBUS``. ``bases`` caches the stored
-    tensors that views read, so each is read once.
-    """
-    if e.view is None:
-        out = np.empty(e.shape, dtype=dtype_of(e.dtype))
-        flat = out.reshape(-1).view(np.uint8)
-        if flat.nbytes and not ckpt.read_into(e.stored, flat.data):
-            flat[:] = np.frombuffer(ckpt.raw(e.stored), dtype=np.uint8)
-        return out
-    v = e.view
-    dt = dtype_of(v.dtype)
-    if not v.span():
-        return np.empty(v.shape, dtype=dt)
-    if e.stored not in bases:
-        bases[e.stored] = ckpt.read(e.stored)
-    # as_strided goes through __array_interface__, which loses ml_dtypes' types (an
-    # F8_E5M2 view raised TypeError): stride over unsigned integers of the same width.
-    word = np.dtype(f"<u{dt.itemsize}")
-    raw = np.frombuffer(bases[e.stored], dtype=np.uint8)
-    base = raw[v.offset : v.offset + v.span()].view(word)
-    strides = tuple(s * dt.itemsize for s in v.stride)
-    out = np.lib.stride_tricks.as_strided(base, v.shape, strides, writeable=False).copy()
-    return out.view(dt)
-
-
-def _cost(ckpt: Checkpoint, names: list[str]) -> int:
-    """Bytes that reading ``names`` allocates: every value, and each base a view reads."""
-    bases = {ckpt.entry(n).stored for n in names if ckpt.entry(n).view is not None}
-    return sum(ckpt.entry(n).nbytes for n in names) + sum(ckpt.stored[s].nbytes for s in bases)
+    found = [_source(k, v) for k, v in arrays.items()]
+    return save_file(path, (found, [], None), FRAMEWORK, metadata, checksum, dedupe_copies)
 
 
 def load_file(
@@ -228,12 +164,9 @@ def load_file(
         dtype('float32')
     """
     with opened(path) as ckpt:
-        names = ckpt.names
-        ckpt.materializing(_cost(ckpt, names), f"reading {len(names)} arrays", max_bytes)
-        if verify:
-            ckpt.verify()
+        start_reading(ckpt, separate_cost(ckpt), "arrays", max_bytes, verify)
         bases: dict[str, memoryview] = {}
-        return {name: _read(ckpt, ckpt.entry(name), bases) for name in names}
+        return {name: read_array(ckpt, ckpt.entry(name), bases) for name in ckpt.names}
 
 
 def load(
@@ -269,18 +202,15 @@ def load(
         >>> load(arrays, "w.safetensors").loaded
         ['w']
     """
-    targets = []
-    for name, a in arrays.items():
-        targets.append(Target(name, id(a), _name_of(name, a), tuple(a.shape)))
+    targets = [Target(n, id(a), _name_of(n, a), tuple(a.shape)) for n, a in arrays.items()]
+    options = LoadOptions(rules=rules, strict=strict, cast=cast, tie=tie, verify=verify)
     with opened(path) as ckpt:
-        lp = plan_load(ckpt, targets, rules=rules, strict=strict, cast=cast, tie=tie)
+        lp = plan_load(ckpt, targets, options)
         if verify:
-            ckpt.verify(sorted({ckpt.entry(a.source).stored for a in lp.assignments}))
-        bases: dict[str, memoryview] = {}
-        values = [(a, _read(ckpt, ckpt.entry(a.source), bases)) for a in lp.assignments]
-    for assignment, value in values:
-        target = arrays[assignment.names[0]]
-        np.copyto(target, value, casting="unsafe" if assignment.cast else "no")
+            ckpt.verify(lp.reads())
+        values = read_values(ckpt, lp, lambda a: arrays[a.names[0]].dtype)
+    for a, value in values:
+        np.copyto(arrays[a.names[0]], value, casting="unsafe" if a.cast else "no")
     if tie:
         for keep, *others in lp.tie:
             for other in others:
@@ -288,7 +218,7 @@ def load(
     return lp.report
 
 
-# -- the adapter contract (weightvault._adapters.Adapter), used by the vault --------------
+# -- the adapter contract (weightvault._vault.adapters.Adapter), used by the vault --------------
 
 
 def owns(obj: Any) -> bool:
@@ -305,28 +235,5 @@ def sources(obj: Any) -> tuple[list[Source], list[str]]:
     return [_source(k, v) for k, v in obj.items()], []
 
 
-def checkpoint_sources(
-    obj: Any,
-    *,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    rng: bool = False,
-    snapshot: SnapshotPool | None = None,
-) -> tuple[list[Source], list[str], dict[str, Any] | None]:
-    """Every value as a source, for the vault; copied now when ``snapshot`` is given.
-
-    Raises:
-        TypeError: ``optimizer``, ``scheduler`` or ``rng`` was given: weightvault.numpy has no
-            training state to save.
-    """
-    if optimizer is not None or scheduler is not None or rng:
-        raise TypeError(
-            "weightvault.numpy: the vault saves no optimizer, scheduler or RNG state here; "
-            "save the model alone, or keep the optimizer state in the tree you save"
-        )
-    found, skipped = sources(obj)
-    if snapshot is not None:
-        # Arrays can change in place after the call (numpy) or be replaced in the module
-        # (NNX); a background save must write the values of the call.
-        found = [s.copied() for s in found]
-    return found, skipped, None
+#: The vault's ``checkpoint_sources``: :func:`sources`, copied now for a background save.
+checkpoint_sources = untrained_checkpoint_sources("weightvault.numpy", sources)

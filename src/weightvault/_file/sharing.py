@@ -1,4 +1,5 @@
-"""Decide what to store: one copy of every distinct tensor, and a record of every name.
+"""The save plan: what to store, one copy of every distinct tensor, and a record of every
+name (its mirror, the load plan, is :mod:`weightvault._load.plan`).
 
 This is pure bookkeeping over :class:`Source` records that an adapter builds; it never
 touches a framework. Three kinds of sharing are found:

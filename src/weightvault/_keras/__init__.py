@@ -1,1 +1,2 @@
-"""weightvault.keras' private half: Keras internals, the variable walk, training state."""
+"""weightvault.keras' private half: Keras internals, the variable walk, the save half
+(sources), Keras' own files (files), frozen flags (trainable) and training state."""

@@ -20,7 +20,7 @@ layer order) and, on the PyTorch backend, torch's CPU generator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -29,30 +29,29 @@ import numpy as np
 from .. import _training
 from .._base.errors import TrainingStateError, UnsupportedStateError
 from .._file import layout
+from .._file.arrays import array_bytes, dtype_name, read_stored
 from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX
 from .._file.sharing import Source
-from .._load.plan import RulesArg
+from .._load.plan import LoadOptions, LoadPlan
+from .._load.resume import check_optimizer_class, training_doc
 from .._training import codec as _codec
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
-from .walk import _BY_NUMPY, NAMES, _base, _dtype_name, _walk
+from .walk import NAMES, walk
 
 #: Configuration keys that are no hyperparameter: a name says nothing about the training.
 _NOT_HYPER = frozenset({"name"})
-
-
-def _dtype(name: str, value: Any) -> str:
-    return _dtype_name(name, str(value.dtype))
+#: The training state Keras saves beside the weights (a schedule is the optimizer's).
+_KINDS = ("optimizer", "rng")
 
 
 def _array_source(name: str, arr: Any) -> Source:
     """A training-state tensor as a source, from a private numpy copy taken now."""
     arr = np.array(arr, copy=True, order="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
-    dtype = _BY_NUMPY.get(arr.dtype)
+    dtype = dtype_name(arr.dtype)
     if dtype is None:
         raise UnsupportedStateError(f"{name} has dtype {arr.dtype}, which safetensors cannot store")
-    flat: Any = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
-    return Source(name, dtype, tuple(arr.shape), ("train", name), lambda: memoryview(flat))
+    return Source(name, dtype, tuple(arr.shape), ("train", name), lambda: array_bytes(arr))
 
 
 def _variable_array(var: Any) -> Any:
@@ -94,11 +93,23 @@ def slots(optimizer: Any) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _names(model: Any) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for v in _walk(model):
-        out.setdefault(id(v.variable), []).append(v.name)
-    return out
+def _members(model: Any, variables: list[Any], label: str) -> list[tuple[list[str], Any]]:
+    """Each of the optimizer's ``variables`` as ``(every model name, shape)``.
+
+    Raises:
+        TrainingStateError: A variable is not the model's, so it has no name.
+    """
+    names: dict[int, list[str]] = {}
+    for v in walk(model):
+        names.setdefault(id(v.variable), []).append(v.name)
+    for v in variables:
+        if id(v) not in names:
+            raise TrainingStateError(
+                f"{label} holds a variable {v.path!r} of shape {list(v.shape)} that "
+                f"{type(model).__name__} does not have, so its state has no name to be saved "
+                "or found under; build the optimizer from model.trainable_variables"
+            )
+    return [(names[id(v)], tuple(v.shape)) for v in variables]
 
 
 def _seed_generators(model: Any) -> list[Any]:
@@ -138,7 +149,7 @@ def training_sources(
     writes.
 
     Raises:
-        WeightvaultError: The optimizer holds a variable the model does not have.
+        TrainingStateError: The optimizer holds a variable the model does not have.
         UnsupportedStateError: A value has no JSON or tensor form.
     """
     if optimizer is None and not rng:
@@ -146,48 +157,48 @@ def training_sources(
     sources: list[Source] = []
     doc: dict[str, Any] = {"version": layout.VERSION}
     if optimizer is not None:
-        label = type(optimizer).__name__
-        names = _names(model)
-        built = bool(optimizer.built)
-        variables = list(optimizer._trainable_variables) if built else model.trainable_variables
-        owned = slots(optimizer) if built else {}
-        listed: list[str] = []
-        params: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
-        for v in variables:
-            if id(v) not in names:
-                raise TrainingStateError(
-                    f"{label} holds a variable {v.path!r} of shape {list(v.shape)} that "
-                    f"{type(model).__name__} does not have, so it has no name to be saved "
-                    "under; build the optimizer from model.trainable_variables"
-                )
-            name = names[id(v)][0]
-            listed.append(name)
-            tensors: dict[str, str] = {}
-            for slot, ov in owned.get(id(v), {}).items():
-                stored = layout.state_name(name, slot)
-                sources.append(_array_source(stored, _variable_array(ov)))
-                tensors[slot] = stored
-            params[name] = (list(v.shape), tensors, {})
-        config = {k: v for k, v in optimizer.get_config().items() if k not in _NOT_HYPER}
-        doc["optimizer"] = _training.encode_optimizer(label, [(config, listed)], params)
-        doc["optimizer"]["iterations"] = int(np.asarray(_variable_array(optimizer._iterations)))
+        doc["optimizer"] = _optimizer_section(model, optimizer, sources)
     if rng:
-        r: dict[str, Any] = {"python": _training.python_rng(), "numpy": _training.numpy_rng()}
-        g = _global_seed_generator()
-        if g is not None:
-            r["keras"] = RNG_PREFIX + "keras"
-            sources.append(_array_source(r["keras"], _variable_array(g.state)))
-        r["keras_layers"] = []
-        for i, g in enumerate(_seed_generators(model)):
-            r["keras_layers"].append(f"{RNG_PREFIX}keras_layers/{i}")
-            sources.append(_array_source(r["keras_layers"][-1], _variable_array(g.state)))
-        if keras.backend.backend() == "torch":
-            import torch
-
-            r["torch"] = RNG_PREFIX + "torch"
-            sources.append(_array_source(r["torch"], torch.get_rng_state().numpy()))
-        doc["rng"] = r
+        doc["rng"] = _rng_section(model, sources)
     return sources, doc
+
+
+def _optimizer_section(model: Any, optimizer: Any, sources: list[Source]) -> dict[str, Any]:
+    """The optimizer section; its slots are added to ``sources``."""
+    label = type(optimizer).__name__
+    built = bool(optimizer.built)
+    variables = list(optimizer._trainable_variables) if built else model.trainable_variables
+    owned = slots(optimizer) if built else {}
+    params: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
+    for v, (names, shape) in zip(variables, _members(model, variables, label), strict=True):
+        tensors: dict[str, str] = {}
+        for slot, ov in owned.get(id(v), {}).items():
+            tensors[slot] = layout.state_name(names[0], slot)
+            sources.append(_array_source(tensors[slot], _variable_array(ov)))
+        params[names[0]] = (list(shape), tensors, {})
+    config = {k: v for k, v in optimizer.get_config().items() if k not in _NOT_HYPER}
+    doc = _training.encode_optimizer(label, [(config, list(params))], params)
+    doc["iterations"] = int(np.asarray(_variable_array(optimizer._iterations)))
+    return doc
+
+
+def _rng_section(model: Any, sources: list[Source]) -> dict[str, Any]:
+    """The RNG section; Keras' seed states (and torch's, on its backend) go to ``sources``."""
+    r: dict[str, Any] = {"python": _training.python_rng(), "numpy": _training.numpy_rng()}
+    g = _global_seed_generator()
+    if g is not None:
+        r["keras"] = RNG_PREFIX + "keras"
+        sources.append(_array_source(r["keras"], _variable_array(g.state)))
+    r["keras_layers"] = []
+    for i, g in enumerate(_seed_generators(model)):
+        r["keras_layers"].append(f"{RNG_PREFIX}keras_layers/{i}")
+        sources.append(_array_source(r["keras_layers"][-1], _variable_array(g.state)))
+    if keras.backend.backend() == "torch":
+        import torch
+
+        r["torch"] = RNG_PREFIX + "torch"
+        sources.append(_array_source(r["torch"], torch.get_rng_state().numpy()))
+    return r
 
 
 def _read(ckpt: Checkpoint, name: str, like: Any, needed: list[str], what: str) -> Any:
@@ -204,127 +215,113 @@ def _read(ckpt: Checkpoint, name: str, like: Any, needed: list[str], what: str) 
             f"{want}{list(like.shape)}; build the optimizer (and model) as the saved run did"
         )
     needed.append(stored)
-    return np.array(_base(ckpt, stored), copy=True, order="C")
+    return read_stored(ckpt, stored)
 
 
 def prepare(
-    ckpt: Checkpoint,
-    model: Any,
-    *,
-    optimizer: Any,
-    rng: bool,
-    rules: RulesArg,
-    renamed: list[tuple[str, str]],
-    strict: bool,
-    verify: bool,
+    ckpt: Checkpoint, model: Any, plan: LoadPlan, options: LoadOptions, *, optimizer: Any, rng: bool
 ) -> Prepared:
     """Check and read everything now, so that applying it cannot fail half-way.
 
-    An optimizer that is not built yet is built on ``model.trainable_variables`` first
-    (what ``fit`` would do), so that it has variables to fill.
+    ``plan`` is the weights' load plan: optimizer state follows its renames. An optimizer
+    that is not built yet is built on ``model.trainable_variables`` first (what ``fit``
+    would do), so that it has variables to fill.
 
     Raises:
         TrainingStateError: Something asked for is not in the checkpoint, or is malformed.
-        KeyMismatchError, ShapeMismatchError: ``strict`` and the optimizer's variables do
-            not match the saved state.
+        KeyMismatchError, ShapeMismatchError: ``options.strict`` and the optimizer's
+            variables do not match the saved state.
     """
     out = Prepared()
     if optimizer is None and not rng:
         return out
-    where = ckpt.path
-    if ckpt.manifest.training is None:
-        raise TrainingStateError(
-            f"{where} holds weights only: no optimizer or RNG state. Save with "
-            "optimizer=..., rng=True to resume training from it"
-        )
-    training = _training.read_training(ckpt.manifest.training, where)
+    training = _training.read_training(training_doc(ckpt, _KINDS), ckpt.path)
     needed: list[str] = []
     if optimizer is not None:
-        out.steps.append(
-            _prepare_optimizer(
-                ckpt, model, optimizer, training, rules, renamed, strict, out, needed
-            )
+        assignments = _optimizer_values(
+            ckpt, model, optimizer, training, plan, options, out, needed
         )
+        out.steps.append(lambda: _assign(assignments))
     if rng:
         _prepare_rng(ckpt, model, training, out, needed)
-    if verify:
+    if options.verify:
         ckpt.verify(sorted(set(needed)))
     return out
 
 
-def _prepare_optimizer(
+def _assign(assignments: list[tuple[Any, Any]]) -> None:
+    for var, value in assignments:
+        var.assign(value)
+
+
+def _optimizer_values(
     ckpt: Checkpoint,
     model: Any,
     optimizer: Any,
     training: Mapping[str, Any],
-    rules: RulesArg,
-    renamed: list[tuple[str, str]],
-    strict: bool,
+    plan: LoadPlan,
+    options: LoadOptions,
     out: Prepared,
     needed: list[str],
-) -> Callable[[], None]:
-    where = ckpt.path
+) -> list[tuple[Any, Any]]:
+    """``(optimizer variable, value)`` for every slot, the learning rate and the step."""
     label = type(optimizer).__name__
-    saved = _training.read_optimizer(training, lambda n: _stored(ckpt, n) is not None, where)
-    if saved.cls != label:
-        raise TrainingStateError(
-            f"{where} holds the state of a {saved.cls} optimizer, which a {label} cannot "
-            f"take; build a {saved.cls} to resume, or load without optimizer="
-        )
-    doc = training["optimizer"]
-    iterations = doc.get("iterations")
+    saved = _training.read_optimizer(training, lambda n: _stored(ckpt, n) is not None, ckpt.path)
+    check_optimizer_class(ckpt.path, saved.cls, label)
+    iterations = training["optimizer"].get("iterations")
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 0:
-        raise TrainingStateError(f"{where}: the optimizer's iterations are malformed")
+        raise TrainingStateError(f"{ckpt.path}: the optimizer's iterations are malformed")
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    names = _names(model)
     variables = list(optimizer._trainable_variables)
-    members = []
-    for v in variables:
-        if id(v) not in names:
-            raise TrainingStateError(
-                f"{label} holds a variable {v.path!r} of shape {list(v.shape)} that "
-                f"{type(model).__name__} does not have; its state cannot be found by name"
-            )
-        members.append((names[id(v)], tuple(v.shape)))
-    plan = _training.plan_optimizer(
-        saved, [members], _rename(rules, renamed), strict=strict, where=where, label=label
+    members = _members(model, variables, label)
+    rename = _rename(options.rules, plan.report.renamed)
+    fill = _training.plan_optimizer(
+        saved, [members], rename, strict=options.strict, where=ckpt.path, label=label
     )
-    out.optimizer = plan.report
-    owned = slots(optimizer)
+    out.optimizer = fill.report
     # Read every tensor now: the file may be closed, and nothing may fail, once applying.
+    owned = slots(optimizer)
     assignments: list[tuple[Any, Any]] = []
-    for (_, pi), disk in sorted(plan.fill.items()):
-        var = variables[pi]
+    for (_, pi), disk in sorted(fill.fill.items()):
+        mine = owned[id(variables[pi])]
         rec = saved.params[disk]
-        mine = owned[id(var)]
         if set(rec.tensors) != set(mine):
             raise TrainingStateError(
-                f"{where}: the saved state of {disk!r} has slots {sorted(rec.tensors)}, but "
-                f"this {label} keeps {sorted(mine)} for {members[pi][0][0]!r}; build the "
+                f"{ckpt.path}: the saved state of {disk!r} has slots {sorted(rec.tensors)}, "
+                f"but this {label} keeps {sorted(mine)} for {members[pi][0][0]!r}; build the "
                 "optimizer with the saved run's options (see its get_config())"
             )
         for slot, stored in rec.tensors.items():
             what = f"optimizer slot {slot!r} of {disk!r}"
             assignments.append((mine[slot], _read(ckpt, stored, mine[slot], needed, what)))
-    config = {k: v for k, v in optimizer.get_config().items() if k not in _NOT_HYPER}
     hyper = saved.groups[0].hyper if saved.groups else {}
+    if not _same_config(optimizer, hyper):
+        fill.report.groups_kept.append(0)
+    return assignments + _schedule_values(optimizer, hyper, iterations)
+
+
+def _same_config(optimizer: Any, hyper: Mapping[str, Any]) -> bool:
+    """Whether ``optimizer``'s configuration, learning rate aside, is the saved one."""
+    config = {k: v for k, v in optimizer.get_config().items() if k not in _NOT_HYPER}
+    mine = {
+        k: _codec.decode(_codec.encode(v, k), k) for k, v in config.items() if k != "learning_rate"
+    }
+    return {k: v for k, v in hyper.items() if k != "learning_rate"} == mine
+
+
+def _schedule_values(
+    optimizer: Any, hyper: Mapping[str, Any], iterations: int
+) -> list[tuple[Any, Any]]:
+    """The saved learning rate (where the optimizer keeps one variable) and step."""
+    out: list[tuple[Any, Any]] = []
     lr = hyper.get("learning_rate")
     lr_var = optimizer._learning_rate
     if isinstance(lr_var, keras.Variable) and isinstance(lr, (int, float)):
-        assignments.append((lr_var, np.asarray(lr, dtype=np.dtype(str(lr_var.dtype)))))
-    if {k: v for k, v in hyper.items() if k != "learning_rate"} != {
-        k: _codec.decode(_codec.encode(v, k), k) for k, v in config.items() if k != "learning_rate"
-    }:
-        plan.report.groups_kept.append(0)
+        out.append((lr_var, np.asarray(lr, dtype=np.dtype(str(lr_var.dtype)))))
     step = np.asarray(iterations, dtype=np.dtype(str(optimizer._iterations.dtype)))
-    assignments.append((optimizer._iterations, step))
-
-    def apply() -> None:
-        for var, value in assignments:
-            var.assign(value)
-
-    return apply
+    out.append((optimizer._iterations, step))
+    return out
 
 
 def _prepare_rng(
@@ -359,9 +356,4 @@ def _prepare_rng(
         cpu = torch.from_numpy(_read(ckpt, doc["torch"], like, needed, "the torch RNG state"))
         out.steps.append(lambda: torch.set_rng_state(cpu))
         out.restored.append("rng:torch")
-
-    def apply() -> None:
-        for var, value in assignments:
-            var.assign(value)
-
-    out.steps.insert(0, apply)
+    out.steps.insert(0, lambda: _assign(assignments))

@@ -3,7 +3,7 @@ optimizer-state code need, kept below both so neither imports the other.
 
 Names are built from what is stable between two processes that build the same model
 (see :mod:`weightvault.keras`); the private Keras helpers this needs come from
-:mod:`weightvault._keras_internals`.
+:mod:`weightvault._keras.internals`.
 """
 
 from __future__ import annotations
@@ -13,28 +13,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
-import ml_dtypes  # noqa: F401 - the dtype table below needs it (bf16, fp8)
-import numpy as np
 
-from .._base.dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, numpy_dtype, unsupported
-from .._base.errors import NameCollisionError, UnsupportedValueError
-from .._file.checkpoint import Checkpoint
+from .._base.dtypes import BY_FRAMEWORK_NAME, unsupported
+from .._base.errors import ModelNotBuiltError, NameCollisionError, UnsupportedValueError
 from .internals import KerasSaveable, snake_case, unique_name, walk_saveable
 
 #: Keras dtype name -> safetensors dtype name (Keras names dtypes as numpy and torch do).
 NAMES: dict[str, str] = BY_FRAMEWORK_NAME
-#: safetensors dtype name -> numpy dtype (ml_dtypes, a Keras dependency, for bf16/fp8).
-NUMPY: dict[str, Any] = {k: numpy_dtype(k) for k in ITEMSIZE}
-_BY_NUMPY = {v: k for k, v in NUMPY.items()}
 
-# A path in Keras' own weights files: "<inner path>/vars/<index>".
-_KERAS_FILE_NAME = re.compile(r"(^|/)vars/\d+$")
+#: A path in Keras' own weights files: ``"<inner path>/vars/<index>"``.
+KERAS_FILE_NAME = re.compile(r"(^|/)vars/\d+$")
 # Keras' own attributes that are not model weights: compile state, never saved by us.
 _NOT_WEIGHTS = (keras.optimizers.Optimizer, keras.metrics.Metric)
 
 
 @dataclass
-class _Var:
+class Var:
     """One name of a model variable."""
 
     name: str  # weightvault's name
@@ -43,7 +37,12 @@ class _Var:
     is_param: bool  # created trainable (in the owner's trainable list), like nn.Parameter
 
 
-def _dtype_name(name: str, dtype: str) -> str:
+def dtype_name(name: str, dtype: Any) -> str:
+    """The safetensors name of a Keras dtype, for variable ``name``.
+
+    Raises:
+        UnsupportedDtypeError: safetensors has no such dtype.
+    """
     try:
         return NAMES[str(dtype)]
     except KeyError:
@@ -74,10 +73,20 @@ def _paths(model: Any, ours: bool) -> list[tuple[str, str, Any, Any]]:
     segment, chosen layer names replace generated ones, and a subclassed model's derived
     ``layers`` property is visited last so that attribute names win.
     """
-    out: list[tuple[str, str, Any, Any]] = []
-    visited: set[int] = set()
+    walker = _Walker(ours)
+    walker.visit(model, "")
+    return walker.out
 
-    def own(obj: Any, path: str) -> None:
+
+class _Walker:
+    """One walk of :func:`_paths`: what it found, and which objects it has visited."""
+
+    def __init__(self, ours: bool) -> None:
+        self.ours = ours
+        self.out: list[tuple[str, str, Any, Any]] = []
+        self.visited: set[int] = set()
+
+    def own(self, obj: Any, path: str) -> None:
         rec = _Recorder()
         obj.save_own_variables(rec)
         for key, value in rec.items():
@@ -87,77 +96,94 @@ def _paths(model: Any, ours: bool) -> list[tuple[str, str, Any, Any]]:
                     f"value under {key!r} instead of a variable (LoRA or quantization "
                     "merges do this); merge or disable it before saving with weightvault"
                 )
-            out.append((path, key, obj, value))
+            self.out.append((path, key, obj, value))
 
-    def visit(obj: Any, path: str) -> None:
-        if id(obj) in visited or isinstance(obj, _NOT_WEIGHTS):
+    def visit(self, obj: Any, path: str) -> None:
+        if id(obj) in self.visited or isinstance(obj, _NOT_WEIGHTS):
             return
         if hasattr(obj, "save_own_variables"):
-            own(obj, path)
-        visited.add(id(obj))
+            self.own(obj, path)
+        self.visited.add(id(obj))
         structural = obj._obj_type() in ("Sequential", "Functional")
         children = walk_saveable(obj)
-        if ours and not structural:
+        if self.ours and not structural:
             children.sort(key=lambda c: c[0] == "layers")
         for attr, child in children:
             if isinstance(child, KerasSaveable):
-                visit(child, _join(path, attr))
+                self.visit(child, _join(path, attr))
             elif isinstance(child, list | dict | tuple):
-                flat = ours and structural and attr == "layers"
-                container(child, path if flat else _join(path, attr), set())
+                flat = self.ours and structural and attr == "layers"
+                self.container(child, path if flat else _join(path, attr), set())
 
-    def container(items: Any, path: str, seen: set[int]) -> None:
+    def container(self, items: Any, path: str, seen: set[int]) -> None:
         if id(items) in seen:
             return
         seen.add(id(items))
         values = list(items.values()) if isinstance(items, dict) else list(items)
+        names = self._names(values)
+        for item, name in zip(values, names, strict=True):
+            if isinstance(item, KerasSaveable):
+                self.visit(item, _join(path, name))
+            elif isinstance(item, list | dict | tuple):
+                self.container(item, _join(path, name), seen)
+
+    def _names(self, values: list[Any]) -> list[str]:
+        """The path segment of each item of a container: Keras', or with ``ours`` the
+        layer names chosen by the user where they are unique."""
         used: dict[str, int] = {}
         names: list[str] = []
         for item in values:
             if isinstance(item, KerasSaveable):
-                base = snake_case(type(item).__name__)
-                names.append(unique_name(base, used))
+                names.append(unique_name(snake_case(type(item).__name__), used))
             elif isinstance(item, list | dict | tuple):
                 names.append(unique_name("container", used))
             else:
                 names.append("")
-        if ours:
-            chosen = [
-                str(item.name)
-                if isinstance(item, keras.layers.Layer) and not _auto_named(item)
-                else name
-                for item, name in zip(values, names, strict=True)
-            ]
-            if len(set(chosen)) == len(chosen):  # else a chosen name collides: keep Keras'
-                names = chosen
-        for item, name in zip(values, names, strict=True):
-            if isinstance(item, KerasSaveable):
-                visit(item, _join(path, name))
-            elif isinstance(item, list | dict | tuple):
-                container(item, _join(path, name), seen)
-
-    visit(model, "")
-    return out
+        if not self.ours:
+            return names
+        chosen = [
+            str(item.name) if isinstance(item, keras.layers.Layer) and not _auto_named(item) else n
+            for item, n in zip(values, names, strict=True)
+        ]
+        return chosen if len(set(chosen)) == len(chosen) else names  # a collision: Keras'
 
 
-def _walk(model: Any) -> list[_Var]:
+def model_vars(model: Any, verb: str) -> list[Var]:
+    """Every variable name of a built Keras model or layer (see :func:`walk`).
+
+    Raises:
+        TypeError: ``model`` is no Keras layer.
+        ModelNotBuiltError: It has no variables yet.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"{verb}() takes a Keras model or layer, not {type(model).__name__}")
+    if not model.built:
+        raise ModelNotBuiltError(
+            f"{type(model).__name__} {model.name!r} is not built and has no variables yet; "
+            "build it first, for example with model.build(input_shape) or by calling it "
+            "on a batch"
+        )
+    return walk(model)
+
+
+def walk(model: Any) -> list[Var]:
     """Every variable of ``model`` with weightvault's name and Keras' file path."""
     keras_paths = {(id(o), k): _join(p, "vars", k) for p, k, o, _ in _paths(model, ours=False)}
-    out: list[_Var] = []
+    out: list[Var] = []
     used: dict[int, dict[str, int]] = {}
     for path, key, owner, value in _paths(model, ours=True):
         trainable_list = {id(v) for v in getattr(owner, "_trainable_variables", [])}
         vname = str(value.name).rpartition("/")[2]
         vname = unique_name(vname, used.setdefault(id(owner), {}))
         out.append(
-            _Var(
+            Var(
                 _join(path, vname),
                 keras_paths.get((id(owner), key), ""),
                 value,
                 id(value) in trainable_list,
             )
         )
-    seen: dict[str, _Var] = {}
+    seen: dict[str, Var] = {}
     for v in out:
         other = seen.setdefault(v.name, v)
         if other is not v and other.variable is not v.variable:
@@ -167,10 +193,3 @@ def _walk(model: Any) -> list[_Var]:
                 "attribute or layer that collides"
             )
     return out
-
-
-def _base(ckpt: Checkpoint, stored: str) -> Any:
-    info = ckpt.stored[stored]
-    if info.nbytes == 0:
-        return np.empty(info.shape, dtype=NUMPY[info.dtype])
-    return np.frombuffer(ckpt.raw(stored), dtype=NUMPY[info.dtype]).reshape(info.shape)

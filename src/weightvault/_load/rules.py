@@ -135,3 +135,31 @@ def unmatched(verb: str, pattern: str, candidates: Iterable[str], what: str, sep
         f"{verb}(): pattern {pattern!r} matches no {what}.{hint} Use '*' to match any "
         f"characters, as in 'encoder{sep}*'."
     )
+
+
+def choose(
+    patterns: Iterable[str], names: Sequence[str], sep: str, verb: str, what: str
+) -> set[str]:
+    """The names any of ``patterns`` selects (see :func:`select`); all of them if none.
+
+    Args:
+        patterns: What the user passed to ``freeze``/``unfreeze``.
+        names: The names to choose from.
+        sep: The separator of the names (``"."`` or ``"/"``).
+        verb: The caller, for the message (``"freeze"``).
+        what: What a name is, for the message (``"parameter of Net"``).
+
+    Raises:
+        RuleError: A pattern selects nothing; the message names the closest name.
+
+    Example:
+        >>> sorted(choose(["enc"], ["enc.w", "enc.b", "head.w"], ".", "freeze", "name"))
+        ['enc.b', 'enc.w']
+    """
+    chosen: set[str] = set()
+    for pattern in list(patterns) or ["*"]:
+        hits = select(pattern, names, sep)
+        if not hits:
+            raise unmatched(verb, pattern, names, what, sep)
+        chosen.update(hits)
+    return chosen

@@ -28,14 +28,12 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .._base.errors import RuleError, ShapeMismatchError
 from . import rules as _rules
 
-#: ``shape_of(model_names, shape_on_disk) -> shape_after_transform``, for the load policy.
-ShapeOf = Callable[[Sequence[str], tuple[int, ...]], tuple[int, ...]]
 TransformSpec = str | tuple[int, ...] | list[int]
 Transforms = Mapping[str, TransformSpec]
 
@@ -125,19 +123,3 @@ def resolve(
             if _rules.match(pattern, name) is not None:
                 return t
     return None
-
-
-def shape_hook(transforms: Transforms | None) -> ShapeOf | None:
-    """A ``shape_of(names, shape)`` function for :func:`weightvault._match.plan_load`.
-
-    Returns ``None`` when there are no transforms, so the policy runs exactly as before.
-    """
-    pairs = check(transforms)
-    if not pairs:
-        return None
-
-    def shape_of(names: Sequence[str], shape: tuple[int, ...]) -> tuple[int, ...]:
-        t = resolve(pairs, names)
-        return shape if t is None else t.shape(shape)
-
-    return shape_of

@@ -1,1 +1,2 @@
-"""weightvault.torch's private half: tensor helpers and training state."""
+"""weightvault.torch's private half: tensors as records (tensors), the save half
+(sources), the load half (assign) and training state (state)."""

@@ -19,16 +19,19 @@ from .._file import layout
 from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX
 from .._file.sharing import Source
-from .._load.plan import RulesArg
+from .._load.plan import LoadOptions, LoadPlan
+from .._load.resume import check_optimizer_class, training_doc
 from .._training import codec as _codec
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
-from .tensors import _base, _bytes, _dtype_name
+from .tensors import _bytes, _dtype_name, stored_tensor
 
 Optimizer = torch.optim.Optimizer
 Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler, or anything with state_dict()
 
 #: Group keys that are not hyperparameters: weightvault records parameters by name itself.
 _NOT_HYPER = frozenset({"params", "param_names"})
+#: The training state torch saves beside the weights.
+_KINDS = ("optimizer", "scheduler", "rng")
 
 
 def _param_names(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[int, list[str]]:
@@ -73,7 +76,7 @@ def training_sources(
     ones while a background save writes.
 
     Raises:
-        WeightvaultError: The optimizer holds a parameter the model does not have.
+        TrainingStateError: The optimizer holds a parameter the model does not have.
         UnsupportedStateError: A value has no JSON or tensor form.
     """
     if optimizer is None and scheduler is None and not rng:
@@ -81,60 +84,87 @@ def training_sources(
     sources: list[Source] = []
     doc: dict[str, Any] = {"version": layout.VERSION}
     if optimizer is not None:
-        names = _param_names(obj)
-        groups = []
-        params: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            listed = []
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise TrainingStateError(
-                        f"{type(optimizer).__name__} group {gi} holds a parameter of shape "
-                        f"{list(p.shape)} that the model does not have, so it has no name to "
-                        "be saved under; build the optimizer from the model's parameters"
-                    )
-                name = names[id(p)][0]
-                listed.append(name)
-                tensors: dict[str, str] = {}
-                values: dict[str, Any] = {}
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        stored = layout.state_name(name, str(key))
-                        sources.append(_tensor_source(stored, value, snapshot))
-                        tensors[str(key)] = stored
-                    else:
-                        values[str(key)] = value
-                params[name] = (list(p.shape), tensors, values)
-            hyper = {k: v for k, v in group.items() if k not in _NOT_HYPER}
-            groups.append((hyper, listed))
-        doc["optimizer"] = _training.encode_optimizer(type(optimizer).__name__, groups, params)
+        doc["optimizer"] = _optimizer_section(obj, optimizer, snapshot, sources)
     if scheduler is not None:
+        label = type(scheduler).__name__
         state = scheduler.state_dict()
         doc["scheduler"] = {
-            "class": type(scheduler).__name__,
-            "state": {
-                k: _codec.encode(v, f"{type(scheduler).__name__} state {k!r}")
-                for k, v in state.items()
-            },
+            "class": label,
+            "state": {k: _codec.encode(v, f"{label} state {k!r}") for k, v in state.items()},
         }
     if rng:
-        r: dict[str, Any] = {"python": _training.python_rng(), "numpy": _training.numpy_rng()}
-        r["torch"] = RNG_PREFIX + "torch"
-        sources.append(_tensor_source(r["torch"], torch.get_rng_state(), False))
-        if torch.cuda.is_available():
-            r["cuda"] = []
-            for i, state in enumerate(torch.cuda.get_rng_state_all()):
-                r["cuda"].append(f"{RNG_PREFIX}cuda/{i}")
-                sources.append(_tensor_source(r["cuda"][-1], state, False))
-        doc["rng"] = r
+        doc["rng"] = _rng_section(sources)
     return sources, doc
+
+
+def _groups(
+    obj: nn.Module | Mapping[str, torch.Tensor], optimizer: Optimizer
+) -> list[list[tuple[list[str], torch.Tensor]]]:
+    """Each of the optimizer's groups as ``(every model name, parameter)`` pairs.
+
+    Raises:
+        TrainingStateError: A parameter is not the model's, so it has no name.
+    """
+    names = _param_names(obj)
+    label = type(optimizer).__name__
+    owner = type(obj).__name__ if isinstance(obj, nn.Module) else "the model"
+    out = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise TrainingStateError(
+                    f"{label} group {gi} holds a parameter of shape {list(p.shape)} that "
+                    f"{owner} does not have, so its state has no name to be saved or found "
+                    "under; build the optimizer from the model's parameters"
+                )
+        out.append([(names[id(p)], p) for p in group["params"]])
+    return out
+
+
+def _optimizer_section(
+    obj: nn.Module | Mapping[str, torch.Tensor],
+    optimizer: Optimizer,
+    snapshot: bool | SnapshotPool,
+    sources: list[Source],
+) -> dict[str, Any]:
+    """The optimizer section; its state tensors are added to ``sources``."""
+    groups = []
+    params: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
+    for group, members in zip(optimizer.param_groups, _groups(obj, optimizer), strict=True):
+        for names, p in members:
+            tensors: dict[str, str] = {}
+            values: dict[str, Any] = {}
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    stored = layout.state_name(names[0], str(key))
+                    sources.append(_tensor_source(stored, value, snapshot))
+                    tensors[str(key)] = stored
+                else:
+                    values[str(key)] = value
+            params[names[0]] = (list(p.shape), tensors, values)
+        hyper = {k: v for k, v in group.items() if k not in _NOT_HYPER}
+        groups.append((hyper, [names[0] for names, _ in members]))
+    return _training.encode_optimizer(type(optimizer).__name__, groups, params)
+
+
+def _rng_section(sources: list[Source]) -> dict[str, Any]:
+    """The RNG section; the torch CPU and CUDA states are added to ``sources``."""
+    r: dict[str, Any] = {"python": _training.python_rng(), "numpy": _training.numpy_rng()}
+    r["torch"] = RNG_PREFIX + "torch"
+    sources.append(_tensor_source(r["torch"], torch.get_rng_state(), False))
+    if torch.cuda.is_available():
+        r["cuda"] = []
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            r["cuda"].append(f"{RNG_PREFIX}cuda/{i}")
+            sources.append(_tensor_source(r["cuda"][-1], state, False))
+    return r
 
 
 def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A tensor of its own (never the file mapping) for a stored training-state name."""
     stored = _stored(ckpt, name)
     assert stored is not None  # checked by _known before anything is read
-    return _base(ckpt, stored, mmap=False).clone()
+    return stored_tensor(ckpt, stored, mmap=False).clone()
 
 
 def _known(ckpt: Checkpoint) -> Callable[[str], bool]:
@@ -144,45 +174,36 @@ def _known(ckpt: Checkpoint) -> Callable[[str], bool]:
 def prepare(
     ckpt: Checkpoint,
     model: nn.Module,
+    plan: LoadPlan,
+    options: LoadOptions,
     *,
     optimizer: Optimizer | None,
     scheduler: Scheduler | None,
     rng: bool,
-    rules: RulesArg,
-    renamed: list[tuple[str, str]],
-    strict: bool,
-    verify: bool,
 ) -> Prepared:
     """Check and read everything now, so that applying it cannot fail half-way.
 
+    ``plan`` is the weights' load plan: optimizer state follows its renames.
+
     Raises:
         TrainingStateError: Something asked for is not in the checkpoint, or is malformed.
-        KeyMismatchError, ShapeMismatchError: ``strict`` and the optimizer's parameters do
-            not match the saved state.
+        KeyMismatchError, ShapeMismatchError: ``options.strict`` and the optimizer's
+            parameters do not match the saved state.
     """
     out = Prepared()
     if optimizer is None and scheduler is None and not rng:
         return out
-    where = ckpt.path
-    if ckpt.manifest.training is None:
-        raise TrainingStateError(
-            f"{where} holds weights only: no optimizer, scheduler or RNG state. Save with "
-            "optimizer=..., scheduler=..., rng=True to resume training from it"
-        )
-    training = _training.read_training(ckpt.manifest.training, where)
+    training = _training.read_training(training_doc(ckpt, _KINDS), ckpt.path)
     needed: list[str] = []
     if optimizer is not None:
-        out.steps.append(
-            _prepare_optimizer(
-                ckpt, model, optimizer, training, rules, renamed, strict, out, needed
-            )
-        )
+        load = _prepare_optimizer(ckpt, model, optimizer, training, plan, options, out, needed)
+        out.steps.append(load)
     if scheduler is not None:
-        out.steps.append(_prepare_scheduler(scheduler, training, where))
+        out.steps.append(_prepare_scheduler(scheduler, training, ckpt.path))
         out.restored.append("scheduler")
     if rng:
         _prepare_rng(ckpt, training, out, needed)
-    if verify:
+    if options.verify:
         ckpt.verify(sorted({ckpt.manifest.copies.get(n, n) for n in needed}))
     return out
 
@@ -192,57 +213,37 @@ def _prepare_optimizer(
     model: nn.Module,
     optimizer: Optimizer,
     training: Mapping[str, Any],
-    rules: RulesArg,
-    renamed: list[tuple[str, str]],
-    strict: bool,
+    plan: LoadPlan,
+    options: LoadOptions,
     out: Prepared,
     needed: list[str],
 ) -> Callable[[], None]:
-    where = ckpt.path
     label = type(optimizer).__name__
-    saved = _training.read_optimizer(training, _known(ckpt), where)
-    if saved.cls != label:
-        raise TrainingStateError(
-            f"{where} holds the state of a {saved.cls} optimizer, which a {label} cannot "
-            f"take; build a {saved.cls} to resume, or load without optimizer="
-        )
-    names = _param_names(model)
-    groups = []
-    for gi, group in enumerate(optimizer.param_groups):
-        members = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise TrainingStateError(
-                    f"{label} group {gi} holds a parameter of shape {list(p.shape)} that "
-                    f"{type(model).__name__} does not have; its state cannot be found by name"
-                )
-            members.append((names[id(p)], tuple(p.shape)))
-        groups.append(members)
-    plan = _training.plan_optimizer(
-        saved, groups, _rename(rules, renamed), strict=strict, where=where, label=label
+    saved = _training.read_optimizer(training, _known(ckpt), ckpt.path)
+    check_optimizer_class(ckpt.path, saved.cls, label)
+    groups = [[(n, tuple(p.shape)) for n, p in members] for members in _groups(model, optimizer)]
+    rename = _rename(options.rules, plan.report.renamed)
+    fill = _training.plan_optimizer(
+        saved, groups, rename, strict=options.strict, where=ckpt.path, label=label
     )
-    out.optimizer = plan.report
+    out.optimizer = fill.report
     # Read every tensor now: the file may be closed, and nothing may fail, once applying.
     state_dict: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     for gi, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
-        source = plan.hyper_from[gi]
+        source = fill.hyper_from[gi]
         if source is not None:
             hyper.update(saved.groups[source].hyper)
-        ids = []
-        for pi, _ in enumerate(group["params"]):
-            disk = plan.fill.get((gi, pi))
+        hyper["params"] = list(range(index, index + len(group["params"])))
+        for pi in range(len(group["params"])):
+            disk = fill.fill.get((gi, pi))
             if disk is not None:
                 rec = saved.params[disk]
-                state: dict[str, Any] = dict(rec.values)
-                for key, stored in rec.tensors.items():
-                    needed.append(stored)
-                    state[key] = _read(ckpt, stored)
-                state_dict["state"][index] = state
-            ids.append(index)
-            index += 1
-        hyper["params"] = ids
+                state = {**rec.values, **{k: _read(ckpt, t) for k, t in rec.tensors.items()}}
+                needed += rec.tensors.values()
+                state_dict["state"][index + pi] = state
+        index += len(group["params"])
         state_dict["param_groups"].append(hyper)
     return lambda: optimizer.load_state_dict(state_dict)
 

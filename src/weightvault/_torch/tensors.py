@@ -1,8 +1,11 @@
 """PyTorch tensors as weightvault records: dtype names, bytes, layout keys, reads.
 
-Shared by the torch adapter, its training state (:mod:`._torch_state`) and the
-``torch.save`` reader (:mod:`.formats.torch_pickle`), so none of them imports another.
-Importing this module needs PyTorch.
+Shared by the torch adapter, its training state (:mod:`.state`), the ``torch.save``
+reader (:mod:`weightvault.formats.torch_pickle`) and the integrations, so none of them
+imports another. Reads build torch tensors straight over the stored bytes (the file
+mapping, or a private copy), views included; the numpy-backed adapters decode the same
+bytes with :mod:`weightvault._file.arrays`, which cannot hand bfloat16 or float8 to
+torch without a copy. Importing this module needs PyTorch.
 """
 
 from __future__ import annotations
@@ -60,10 +63,14 @@ def _region(t: torch.Tensor) -> Any:
     return region
 
 
-def _source(
+def tensor_source(
     name: str, t: torch.Tensor, identity: Any, frozen: bool, twin: torch.Tensor | None = None
 ) -> Source:
-    """A source for ``t``; with ``twin`` (a snapshot of ``t``), bytes are read from it."""
+    """A source for ``t``; with ``twin`` (a snapshot of ``t``), bytes are read from it.
+
+    The source names ``t``'s storage, offset and strides, so that the save plan stores
+    partial views of one storage once (:mod:`weightvault._file.sharing`).
+    """
     dtype = _dtype_name(name, t)
     live, t = t, t if twin is None else twin
     if t.numel() == 0 or t.device.type == "meta":
@@ -90,7 +97,8 @@ def _source(
     )
 
 
-def _layout_identity(t: torch.Tensor) -> Any:
+def layout_identity(t: torch.Tensor) -> Any:
+    """What makes two names one tensor: the same memory read with the same layout."""
     if t.numel() == 0:
         return ("object", id(t))
     # A lazily conjugated or negated tensor shares memory and layout with its source but
@@ -107,7 +115,9 @@ def _layout_identity(t: torch.Tensor) -> Any:
     )
 
 
-def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
+def stored_tensor(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
+    """The stored tensor ``stored``: over the file mapping (copy-on-write) with ``mmap``,
+    else a private copy read with ``preadv``."""
     info = ckpt.stored[stored]
     dtype = DTYPES[info.dtype]
     if info.nbytes == 0:
@@ -128,7 +138,8 @@ def _base(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
     return flat.view(dtype).reshape(info.shape)
 
 
-def _value(ckpt: Checkpoint, e: Entry, base: torch.Tensor) -> torch.Tensor:
+def entry_tensor(e: Entry, base: torch.Tensor) -> torch.Tensor:
+    """The tensor of name ``e`` over ``base`` (its stored tensor): ``base`` or a view of it."""
     if e.view is None:
         return base
     v = e.view
@@ -139,8 +150,15 @@ def _value(ckpt: Checkpoint, e: Entry, base: torch.Tensor) -> torch.Tensor:
     return sub.as_strided(v.shape, v.stride)
 
 
-def _read(ckpt: Checkpoint, name: str, *, mmap: bool = True) -> torch.Tensor:
+def read_tensor(ckpt: Checkpoint, name: str, *, mmap: bool = True) -> torch.Tensor:
     """A tensor for any name (stored, alias, copy, view): over the file mapping, or with
     ``mmap=False`` over a private copy of its stored tensor read with ``preadv``."""
     e = ckpt.entry(name)
-    return _value(ckpt, e, _base(ckpt, e.stored, mmap=mmap))
+    return entry_tensor(e, stored_tensor(ckpt, e.stored, mmap=mmap))
+
+
+# The names weightvault.formats.torch_pickle and weightvault.integrations.transformers
+# import today; delete once they import the public names above.
+_layout_identity = layout_identity
+_source = tensor_source
+_base = stored_tensor

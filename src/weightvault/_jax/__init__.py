@@ -1,0 +1,1 @@
+"""weightvault.jax's private half: naming a model's arrays, and its frozen flags."""

@@ -1,0 +1,46 @@
+"""Planned values as numpy arrays: the read step of the numpy-backed adapters' loads.
+
+``weightvault.numpy``, ``.jax`` and ``.keras`` fill a model from numpy arrays. Each one
+reads every value of the load plan here, with the one decoder of stored bytes
+(:mod:`weightvault._file.arrays`), rearranges it by its transform and converts its dtype,
+all before the model is touched, so a load that fails half-way changes nothing.
+Importing this module needs numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._file.arrays import read_array
+from .._file.checkpoint import Checkpoint
+from .plan import Assignment, LoadPlan
+
+
+def read_values(
+    ckpt: Checkpoint, plan: LoadPlan, dtype_of: Callable[[Assignment], Any]
+) -> list[tuple[Assignment, Any]]:
+    """Each assignment with a fresh C-contiguous array of the value it copies.
+
+    Args:
+        ckpt: The open checkpoint.
+        plan: The load plan.
+        dtype_of: The model's numpy dtype for an assignment, or ``None`` if numpy has
+            none; a value whose dtype on disk differs (``cast``) is converted to it.
+
+    Raises:
+        FormatError: The file was truncated while it was read.
+    """
+    bases: dict[str, memoryview] = {}
+    out = []
+    for a in plan.assignments:
+        value = read_array(ckpt, ckpt.entry(a.source), bases)
+        if a.transform is not None:
+            value = np.ascontiguousarray(value.transpose(a.transform.axes_for(value.ndim)))
+        want = dtype_of(a) if a.cast else None
+        if want is not None:
+            value = value.astype(want)
+        out.append((a, value))
+    return out

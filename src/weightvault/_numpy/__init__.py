@@ -1,0 +1,1 @@
+"""The private half that weightvault.numpy and weightvault.jax share: arrays as sources."""
