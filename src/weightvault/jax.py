@@ -67,7 +67,7 @@ from ._file.checkpoint import Checkpoint, CheckpointSource, Entry
 from ._file.sharing import Source
 from ._load import rules as _rules, transforms as _transforms
 from ._load.plan import RulesArg, Target, plan_load
-from .formats._open import opened
+from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 

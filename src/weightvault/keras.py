@@ -50,7 +50,7 @@ from ._keras.internals import sublayers
 from ._keras.walk import _KERAS_FILE_NAME, NAMES, NUMPY, _base, _dtype_name, _Var, _walk
 from ._load import rules as _rules, transforms as _transforms
 from ._load.plan import RulesArg, Target, plan_load
-from .formats._open import open_checkpoint, opened
+from .formats._registry import open_checkpoint, opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 

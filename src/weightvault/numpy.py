@@ -38,7 +38,7 @@ from ._file import writer as _writer
 from ._file.checkpoint import Checkpoint, CheckpointSource, Entry
 from ._file.sharing import Source
 from ._load.plan import RulesArg, Target, plan_load
-from .formats._open import opened
+from .formats._registry import opened
 
 __all__ = ["load", "load_file", "save"]
 

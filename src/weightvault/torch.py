@@ -45,7 +45,7 @@ from ._torch.tensors import (
     _source,
     _value,
 )
-from .formats._open import opened
+from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 

@@ -23,7 +23,7 @@ from .._file.checkpoint import Checkpoint, Entry
 from .._file.layout import is_training
 from .._file.sharing import Source
 from .._load import rules as _rules
-from ..formats._open import opened
+from ..formats._registry import opened
 
 
 def _sources(ckpt: Checkpoint, rules: _rules.Rules) -> tuple[list[Source], list[str]]:

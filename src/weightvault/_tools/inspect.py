@@ -12,7 +12,7 @@ from .._file.checkpoint import Checkpoint, CheckpointSource, materialize_limit
 from .._file.layout import is_training
 from .._file.manifest import FORMAT_VERSION
 from .._file.sharing import same_bytes
-from ..formats._open import open_checkpoint, opened
+from ..formats._registry import open_checkpoint, opened
 
 
 @dataclass(frozen=True)

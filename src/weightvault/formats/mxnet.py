@@ -24,8 +24,7 @@ from .._base.dtypes import ITEMSIZE, MAX_DIMS, numel
 from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
 from .._file.sharing import Source
-from ._common import ForeignCheckpoint, build, decoding, map_file, plain
-from ._detect import MXNET_LIST_MAGIC as LIST_MAGIC
+from ._common import MXNET_LIST_MAGIC, ForeignCheckpoint, build, decoding, map_file, plain
 
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 #: mshadow type flags -> safetensors dtype names (seed-systems.md §2.4).
@@ -143,7 +142,7 @@ def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> 
     if size < 24:
         raise FormatError(f"{where}: {size} bytes is too small for an MXNet .params file")
     magic, reserved = r.u64(), r.u64()
-    if magic != LIST_MAGIC or reserved != 0:
+    if magic != MXNET_LIST_MAGIC or reserved != 0:
         raise FormatError(
             f"{where}: not an MXNet NDArray file (list magic 0x{magic:x}, expected 0x112); "
             "MXNet 2 .npz files are read as npz"
