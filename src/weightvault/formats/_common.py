@@ -1,7 +1,7 @@
 """What every foreign-format reader shares: file maps, lazy imports and the checkpoint.
 
-Readers decode a foreign file into :class:`~weightvault._plan.Source` records and hand
-them to :func:`build`, which runs the same :func:`~weightvault._plan.plan` as a save. So a
+Readers decode a foreign file into :class:`~weightvault._file.sharing.Source` records and hand
+them to :func:`build`, which runs the same :func:`~weightvault._file.sharing.plan` as a save. So a
 foreign file gets the manifest a save would have written: real sharing (tied storages,
 hard links) becomes aliases and views, and equal bytes under different names become
 copies, found by content with the one dedup the library has.
