@@ -158,7 +158,7 @@ def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignC
     import torch
     from torch import nn
 
-    from .._torch.tensors import _layout_identity, _source
+    from .._torch.tensors import layout_identity, source
 
     if is_zip:
         _validate_zip(where, budget.requested)
@@ -182,7 +182,7 @@ def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignC
             _charge_strided(budget, name, t.numel() * t.element_size())
         frozen = isinstance(t, nn.Parameter) and not t.requires_grad
         try:
-            sources.append(_source(name, t, _layout_identity(t), frozen))
+            sources.append(source(name, t, layout_identity(t), frozen))
         except TypeError as e:
             raise FormatError(f"{where}: {e}") from None
     return build(where, sources, "pt")
