@@ -239,7 +239,7 @@ def test_failing_tensor_data_keeps_old_file(
     wvt.save(small(1), path)
     old = path.read_bytes()
 
-    real = _torch_tensors._bytes
+    real = _torch_tensors.tensor_bytes
     seen: list[int] = []
 
     def bytes_(t: Any) -> memoryview:
@@ -248,7 +248,7 @@ def test_failing_tensor_data_keeps_old_file(
             raise RuntimeError("device lost")
         return real(t)
 
-    monkeypatch.setattr(_torch_tensors, "_bytes", bytes_)
+    monkeypatch.setattr(_torch_tensors, "tensor_bytes", bytes_)
     with pytest.raises(RuntimeError, match="device lost"):
         wvt.save(small(2), path)
     assert path.read_bytes() == old

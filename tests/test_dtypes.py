@@ -37,7 +37,7 @@ def test_numpy_and_torch_agree_with_the_table(name: str) -> None:
 def test_adapters_share_one_error_and_one_table() -> None:
     pytest.importorskip("ml_dtypes")
     import weightvault.numpy as wvn
-    from weightvault.formats.torch_pickle import TORCH_DTYPES
+    from weightvault.formats.pickle_scan import TORCH_DTYPES
 
     assert wvn.UnsupportedDtypeError is UnsupportedDtypeError
     # The torch.save reader knows every dtype torch can save (FNUZ and E8M0 included).

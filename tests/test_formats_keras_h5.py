@@ -17,7 +17,7 @@ import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
 from weightvault.formats import detect
-from weightvault.formats._open import open_checkpoint
+from weightvault.formats._registry import open_checkpoint
 from weightvault.formats.keras_h5 import open_keras_h5
 
 h5py = pytest.importorskip("h5py")

@@ -20,7 +20,7 @@ import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
 from weightvault.formats import detect
-from weightvault.formats._open import open_checkpoint
+from weightvault.formats._registry import open_checkpoint
 from weightvault.rules import GLUON_TO_TORCH, MXNET_PREFIXES
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "mxnet"

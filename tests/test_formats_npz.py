@@ -14,7 +14,7 @@ import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
 from weightvault.formats import detect
-from weightvault.formats._open import open_checkpoint
+from weightvault.formats._registry import open_checkpoint
 
 
 def npy(descr: str, shape: tuple[int, ...], data: bytes, fortran: bool = False) -> bytes:

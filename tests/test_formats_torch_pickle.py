@@ -23,8 +23,8 @@ import weightvault
 import weightvault.numpy as wvn
 from weightvault import FormatError
 from weightvault.formats import detect
-from weightvault.formats._open import open_checkpoint
-from weightvault.formats.torch_pickle import scan
+from weightvault.formats._registry import open_checkpoint
+from weightvault.formats.pickle_scan import scan
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -187,7 +187,7 @@ NO_TORCH = """
 import json, sys
 sys.modules["torch"] = None
 import weightvault, weightvault.numpy as wvn
-from weightvault.formats._open import open_checkpoint
+from weightvault.formats._registry import open_checkpoint
 out = {}
 with open_checkpoint(sys.argv[1]) as ckpt:
     out["kinds"] = {n: ckpt.entry(n).kind for n in ckpt.names}

@@ -27,7 +27,7 @@ import pytest
 
 import weightvault
 import weightvault.numpy as wvn
-from weightvault.formats._open import open_checkpoint
+from weightvault.formats._registry import open_checkpoint
 
 try:
     import torch

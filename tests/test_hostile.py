@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import weightvault
-from weightvault.formats._open import open_checkpoint
+from weightvault.formats._registry import open_checkpoint
 
 try:
     import torch
@@ -1013,7 +1013,7 @@ _TRUNCATE = """
 import sys, os
 import numpy as np
 import weightvault, weightvault.numpy as wvn
-from weightvault.formats._open import open_checkpoint
+from weightvault.formats._registry import open_checkpoint
 
 path, how = sys.argv[1], sys.argv[2]
 arrays = {f"t{i}": np.full(1 << 18, i, np.float32) for i in range(4)}

@@ -71,7 +71,7 @@ from ._load.steps import by_group, save_file
 from ._load.transforms import Transforms
 from ._load.values import read_values
 from ._numpy.sources import array_dtype, untrained_checkpoint_sources
-from .formats._open import opened
+from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 

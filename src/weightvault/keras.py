@@ -53,7 +53,7 @@ from ._load.plan import LoadOptions, LoadPlan, RulesArg, Target, plan_load
 from ._load.steps import save_file, values_by_group
 from ._load.transforms import Transforms
 from ._load.values import read_values
-from .formats._open import opened
+from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 

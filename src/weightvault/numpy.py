@@ -40,7 +40,7 @@ from ._load.plan import LoadOptions, RulesArg, Target, plan_load
 from ._load.steps import save_file, separate_cost, start_reading
 from ._load.values import read_values
 from ._numpy.sources import array_dtype, untrained_checkpoint_sources
-from .formats._open import opened
+from .formats._registry import opened
 
 __all__ = ["load", "load_file", "save"]
 

@@ -43,7 +43,7 @@ from ._torch.tensors import (
     entry_tensor,
     stored_tensor,
 )
-from .formats._open import opened
+from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 

@@ -27,7 +27,7 @@ from torch.futures import Future
 
 from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import CollectivesRequiredError, FormatError
-from .._torch.tensors import NAMES, _bytes
+from .._torch.tensors import NAMES, tensor_bytes
 from .._vault.commit import begin, commit_record, release, store_missing
 from .._vault.dcp_record import KIND, model_header, parse_tensors
 from .._vault.objects import content_hash
@@ -122,7 +122,7 @@ class VaultWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 values[i] = to_record(planner, item, f"{self.vault.url}: {item.index.fqn}")
             else:
-                chunks[i] = _bytes(cast(torch.Tensor, planner.resolve_data(item)))
+                chunks[i] = tensor_bytes(cast(torch.Tensor, planner.resolve_data(item)))
         digests = {i: content_hash(raw) for i, raw in chunks.items()}
         results = self._store(plan.items, chunks, digests)
         results.update({i: WriteResult(plan.items[i].index, 0, v) for i, v in values.items()})

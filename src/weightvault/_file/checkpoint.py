@@ -216,7 +216,7 @@ class SafetensorsFile(Checkpoint):
         'alias'
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: PathLike) -> None:
         where = os.fspath(path)
         with open(where, "rb") as f:
             self.header: Header = read_header(f, where)
@@ -342,7 +342,7 @@ def materialize_limit(file_size: int) -> int:
     times the file's size. A checkpoint that really holds more (a model of many equal
     copies of one big tensor) is read by passing ``max_bytes``, or, for the whole process,
     with the environment variable ``WEIGHTVAULT_MAX_DECODED_BYTES`` that also limits the
-    foreign-format readers (:mod:`weightvault._limits`): one knob for every cap.
+    foreign-format readers (:mod:`weightvault._base.limits`): one knob for every cap.
     """
     if os.environ.get(ENV_VAR, "").strip():
         return resolve_limit(file_size)[0]

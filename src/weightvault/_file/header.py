@@ -16,11 +16,12 @@ from typing import Any, BinaryIO
 
 from .._base.dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
 from .._base.errors import FormatError
+from .._base.types import PathLike
 
 #: Largest header we parse. safetensors uses the same bound; a real header of a
 #: 100k-tensor model is a few MB.
 MAX_HEADER_BYTES = 100_000_000
-#: More dimensions than any framework supports is a sign of a crafted file.
+#: The safetensors header's own key for string metadata: no tensor may take it.
 METADATA_KEY = "__metadata__"
 
 
@@ -63,7 +64,7 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def read_header(f: BinaryIO, path: str | os.PathLike[str]) -> Header:
+def read_header(f: BinaryIO, path: PathLike) -> Header:
     """Read and validate the header of the open file ``f``.
 
     Args:

@@ -35,8 +35,6 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_WIDTH = 16
 #: Metadata keys with a meaning of their own, never read as ``{alias: kept}``.
 RESERVED_KEYS = frozenset({"format", MANIFEST_KEY})
-#: The safetensors header's own key: no tensor and no metadata key may take it.
-HEADER_METADATA_KEY = "__metadata__"
 #: Stored tensors under this prefix hold the storage that several partial views share;
 #: they are no model's name.
 INTERNAL_PREFIX = "__weightvault__."

@@ -13,11 +13,11 @@ from .._base.atomic import atomic_file, write_all as _write_all
 from .._base.dtypes import ITEMSIZE
 from .._base.errors import ReservedNameError, capped
 from .._base.reports import SaveReport
-from .header import TensorInfo, encode_header
+from .._base.types import PathLike
+from .header import METADATA_KEY, TensorInfo, encode_header
 from .layout import is_training, with_training
 from .manifest import (
     CHECKSUM_WIDTH,
-    HEADER_METADATA_KEY,
     INTERNAL_PREFIX,
     MANIFEST_KEY,
     RESERVED_KEYS,
@@ -58,11 +58,11 @@ def check_names(
         TypeError: A metadata key or value is not a string.
     """
     names = list(names)
-    bad = [n for n in names if n == HEADER_METADATA_KEY or n.startswith(INTERNAL_PREFIX)]
+    bad = [n for n in names if n == METADATA_KEY or n.startswith(INTERNAL_PREFIX)]
     if bad:
         raise ReservedNameError(
             f"{where}: tensor name(s) {capped(repr(n) for n in bad)} are reserved by the file "
-            f"format ({HEADER_METADATA_KEY!r} is the safetensors header's metadata key, "
+            f"format ({METADATA_KEY!r} is the safetensors header's metadata key, "
             f"{INTERNAL_PREFIX!r} names weightvault's shared storage); rename the tensor"
         )
     meta = dict(metadata or {})
@@ -73,17 +73,17 @@ def check_names(
             'the values first, for example {"step": str(step)}'
         )
     taken = set(names)
-    clash = [k for k in meta if k in RESERVED_KEYS or k == HEADER_METADATA_KEY or k in taken]
+    clash = [k for k in meta if k in RESERVED_KEYS or k == METADATA_KEY or k in taken]
     if clash:
         raise ReservedNameError(
             f"{where}: metadata key(s) {capped(repr(k) for k in clash)} clash with a reserved "
-            f"key ({', '.join(sorted([*RESERVED_KEYS, HEADER_METADATA_KEY]))}) or a tensor "
+            f"key ({', '.join(sorted([*RESERVED_KEYS, METADATA_KEY]))}) or a tensor "
             "name, which plain safetensors readers would misread; rename the key"
         )
 
 
 def write(
-    path: str | os.PathLike[str],
+    path: PathLike,
     plan: Plan,
     *,
     framework: str | None = None,
@@ -158,7 +158,7 @@ def _header_metadata(plan: Plan, framework: str | None, manifest: Manifest) -> d
 
 
 def save_sources(
-    path: str | os.PathLike[str],
+    path: PathLike,
     sources: list[Source],
     *,
     framework: str | None,

@@ -25,7 +25,7 @@ from .._file.layout import is_training
 from .._file.sharing import Source
 from .._load import rules as _rules
 from .._training.state import stored_name
-from ..formats._open import opened
+from ..formats._registry import opened
 
 
 def _sources(ckpt: Checkpoint, rules: _rules.Rules) -> tuple[list[Source], list[str]]:

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 
 from .._base.dtypes import describe, numel
 from .._base.errors import FormatError
+from .._base.types import PathLike
 from .._file.checkpoint import Checkpoint, CheckpointSource, materialize_limit
 from .._file.layout import is_training
 from .._file.manifest import FORMAT_VERSION
 from .._file.sharing import same_bytes
-from ..formats._open import open_checkpoint, opened
+from ..formats._registry import open_checkpoint, opened
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,7 @@ class VerifyReport:
     has_checksums: bool = True
 
 
-def verify(
-    path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None
-) -> VerifyReport:
+def verify(path: PathLike, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check a file's structure and every stored tensor's checksum.
 
     A structurally broken file is reported, not raised, so a caller can treat every kind

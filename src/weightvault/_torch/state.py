@@ -23,7 +23,7 @@ from .._load.plan import LoadOptions, LoadPlan
 from .._load.resume import check_optimizer_class, training_doc
 from .._training import codec as _codec
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
-from .tensors import _bytes, _dtype_name, stored_tensor
+from .tensors import _dtype_name, stored_tensor, tensor_bytes
 
 Optimizer = torch.optim.Optimizer
 Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler, or anything with state_dict()
@@ -59,7 +59,9 @@ def _tensor_source(name: str, t: torch.Tensor, snapshot: bool | SnapshotPool) ->
     if snapshot:
         t = _private_copy(t.detach(), snapshot if isinstance(snapshot, SnapshotPool) else None)
     # No storage key: optimizer state is stored whole, never as a view of something else.
-    return Source(name, _dtype_name(name, t), tuple(t.shape), ("train", name), lambda: _bytes(t))
+    return Source(
+        name, _dtype_name(name, t), tuple(t.shape), ("train", name), lambda: tensor_bytes(t)
+    )
 
 
 def training_sources(

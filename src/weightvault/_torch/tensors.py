@@ -38,7 +38,7 @@ def _dtype_name(name: str, t: torch.Tensor) -> str:
         raise unsupported(f"tensor {name!r}", t.dtype, ".to(torch.float32)") from None
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -79,7 +79,7 @@ def tensor_source(
                 f"tensor {name!r} is on the meta device and has no data; materialize the "
                 "model (for example with model.to_empty(device='cpu')) before saving"
             )
-        return Source(name, dtype, tuple(t.shape), identity, lambda: _bytes(t), frozen)
+        return Source(name, dtype, tuple(t.shape), identity, lambda: tensor_bytes(t), frozen)
     size = t.element_size()
     # Keys come from the live tensor, so a snapshot plans the same ties and views.
     storage = (str(live.device), live.untyped_storage().data_ptr())
@@ -88,7 +88,7 @@ def tensor_source(
         dtype,
         tuple(t.shape),
         identity,
-        lambda: _bytes(t),
+        lambda: tensor_bytes(t),
         frozen,
         storage=storage,
         offset=int(t.storage_offset()) * size,
@@ -155,10 +155,3 @@ def read_tensor(ckpt: Checkpoint, name: str, *, mmap: bool = True) -> torch.Tens
     ``mmap=False`` over a private copy of its stored tensor read with ``preadv``."""
     e = ckpt.entry(name)
     return entry_tensor(e, stored_tensor(ckpt, e.stored, mmap=mmap))
-
-
-# The names weightvault.formats.torch_pickle and weightvault.integrations.transformers
-# import today; delete once they import the public names above.
-_layout_identity = layout_identity
-_source = tensor_source
-_base = stored_tensor

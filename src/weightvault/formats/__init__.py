@@ -1,6 +1,7 @@
-"""Readers of foreign checkpoint formats, each returning a :class:`~weightvault._reader.Checkpoint`.
+"""Readers of foreign checkpoint formats, each returning a :class:`~weightvault.Checkpoint`.
 
-The format is recognised from the file's first bytes, never from its name alone:
+The format is recognised from the file's first bytes, never from its name alone. The
+table below is :data:`._registry.FORMATS`, where each row's sniff and reader are:
 
 ==============  ====================================================  ======================
 format          first bytes                                           reader
@@ -24,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-from ._detect import FOREIGN, detect
-from ._open import open_any
+from ._registry import FOREIGN, detect, open_any
 
 __all__ = ["FOREIGN", "detect", "open_any"]

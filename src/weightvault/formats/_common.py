@@ -1,7 +1,7 @@
 """What every foreign-format reader shares: file maps, lazy imports and the checkpoint.
 
-Readers decode a foreign file into :class:`~weightvault._plan.Source` records and hand
-them to :func:`build`, which runs the same :func:`~weightvault._plan.plan` as a save. So a
+Readers decode a foreign file into :class:`~weightvault._file.sharing.Source` records and hand
+them to :func:`build`, which runs the same :func:`~weightvault._file.sharing.plan` as a save. So a
 foreign file gets the manifest a save would have written: real sharing (tied storages,
 hard links) becomes aliases and views, and equal bytes under different names become
 copies, found by content with the one dedup the library has.
@@ -23,6 +23,15 @@ from .._base.errors import BackendNotInstalled, FormatError, WeightvaultError
 from .._file.checkpoint import MemoryCheckpoint
 from .._file.manifest import Manifest
 from .._file.sharing import Source, plan
+
+#: First bytes of the containers the readers share with the sniffing in :mod:`._registry`.
+HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_LOCAL_MAGIC = b"PK\x03\x04"
+#: An empty zip archive opens with its end-of-directory record instead.
+ZIP_MAGICS = (ZIP_LOCAL_MAGIC, b"PK\x05\x06")
+#: An MXNet NDArray list opens with this u64, then a reserved u64 ``0``.
+MXNET_LIST_MAGIC = 0x112
 
 #: The pip command that installs what the readers need.
 PIP_FORMATS = "pip install 'weightvault[formats]'"
@@ -246,7 +255,7 @@ def stored_zip_member(
     tail = f"; {fix}" if fix else ""
     at = info.header_offset
     header = bytes(buf[at : at + 30])
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+    if len(header) != 30 or header[:4] != ZIP_LOCAL_MAGIC:
         raise FormatError(f"{where}: {what} has no zip local header{tail}")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     start = at + 30 + name_len + extra_len

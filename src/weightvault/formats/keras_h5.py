@@ -8,7 +8,7 @@ layers is written once per layer) hold equal bytes and become copies.
 
 Contiguous, unfiltered datasets are slices of a read-only file map; chunked or
 compressed ones are read through h5py, after their size is checked against the bytes
-they occupy and charged to the file's :class:`~weightvault._limits.DecodeBudget` (so 300
+they occupy and charged to the file's :class:`~weightvault._base.limits.DecodeBudget` (so 300
 unwritten datasets cannot add up to gigabytes). A group reachable through two paths is
 refused, so groups hard-linked into each other cannot multiply the paths walked (2**21
 from a few kB); a dataset reachable through two paths is an alias, as above.
@@ -36,28 +36,13 @@ import os
 from collections.abc import Hashable
 from typing import Any
 
-from .._base.dtypes import ITEMSIZE, MAX_DIMS, numel
+from .._base.dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, MAX_DIMS, NUMPY_NATIVE, numel
 from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
+from .._base.types import PathLike
 from .._file.sharing import Source
 from ._common import ForeignCheckpoint, build, check_shape, decoding, map_file, need
 
-#: numpy dtype kind + itemsize -> safetensors dtype name.
-KINDS = {
-    ("f", 2): "F16",
-    ("f", 4): "F32",
-    ("f", 8): "F64",
-    ("i", 1): "I8",
-    ("i", 2): "I16",
-    ("i", 4): "I32",
-    ("i", 8): "I64",
-    ("u", 1): "U8",
-    ("u", 2): "U16",
-    ("u", 4): "U32",
-    ("u", 8): "U64",
-    ("b", 1): "BOOL",
-    ("c", 8): "C64",
-}
 #: A chunked dataset may decompress to at most this multiple of the bytes it occupies
 #: (deflate tops out near 1032:1), plus a small allowance for never-written fill values.
 MAX_RATIO = 1100
@@ -70,15 +55,13 @@ FILTERS = {1: "deflate", 2: "shuffle", 3: "fletcher32", 5: "nbit", 6: "scaleoffs
 ONLY_THIS_FILE = "weightvault reads no file but the one given"
 
 
-def open_keras_h5(
-    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
-) -> ForeignCheckpoint:
+def open_keras_h5(path: PathLike, *, max_decoded_bytes: int | None = None) -> ForeignCheckpoint:
     """Open a Keras ``.weights.h5`` file as a checkpoint named by dataset paths.
 
     Args:
         path: The HDF5 file.
         max_decoded_bytes: The most bytes chunked datasets and names may take in all;
-            ``None`` means the default of :mod:`weightvault._limits`.
+            ``None`` means the default of :mod:`weightvault._base.limits`.
 
     Raises:
         FormatError: The file is not valid HDF5, links or stores data outside itself,
@@ -148,26 +131,7 @@ def _walk(
     for key in sorted(keys, key=_order):
         name = f"{prefix}{key}"
         budget.charge_name(name)
-        try:
-            link = group.get(key, getlink=True)
-        except TypeError:  # h5py's answer for a user-defined link type
-            link = None
-        if isinstance(link, h5py.ExternalLink):
-            raise FormatError(
-                f"{where}: {name!r} is an external link to {link.filename[:200]!r}; "
-                f"{ONLY_THIS_FILE}. Copy the data into this file"
-            )
-        if isinstance(link, h5py.SoftLink):
-            raise FormatError(
-                f"{where}: {name!r} is a soft link to {link.path[:200]!r}; soft links "
-                "resolve by path (possibly through another file), so only hard links are "
-                "read. Copy the data, or link it with a hard link"
-            )
-        if not isinstance(link, h5py.HardLink):
-            raise FormatError(f"{where}: {name!r} is a link of an unknown type; {FIX}")
-        obj = group.get(key)
-        if obj is None:
-            raise FormatError(f"{where}: {name!r} is a link to nothing; {FIX}")
+        obj = _hard_link(h5py, group, key, name, where)
         ident = _object_key(h5py, obj)
         if isinstance(obj, h5py.Group):
             if ident in ancestors:
@@ -183,6 +147,31 @@ def _walk(
             if len(out) >= MAX_DATASETS:
                 raise FormatError(f"{where}: more than {MAX_DATASETS} datasets; {FIX}")
             out.append(_dataset(h5py, obj, name, ident, buf, where, budget))
+
+
+def _hard_link(h5py: Any, group: Any, key: str, name: str, where: str) -> Any:
+    """What ``group[key]`` links to; refused unless the link is a hard one."""
+    try:
+        link = group.get(key, getlink=True)
+    except TypeError:  # h5py's answer for a user-defined link type
+        link = None
+    if isinstance(link, h5py.ExternalLink):
+        raise FormatError(
+            f"{where}: {name!r} is an external link to {link.filename[:200]!r}; "
+            f"{ONLY_THIS_FILE}. Copy the data into this file"
+        )
+    if isinstance(link, h5py.SoftLink):
+        raise FormatError(
+            f"{where}: {name!r} is a soft link to {link.path[:200]!r}; soft links "
+            "resolve by path (possibly through another file), so only hard links are "
+            "read. Copy the data, or link it with a hard link"
+        )
+    if not isinstance(link, h5py.HardLink):
+        raise FormatError(f"{where}: {name!r} is a link of an unknown type; {FIX}")
+    obj = group.get(key)
+    if obj is None:
+        raise FormatError(f"{where}: {name!r} is a link to nothing; {FIX}")
+    return obj
 
 
 def _check_storage(h5py: Any, ds: Any, name: str, where: str) -> None:
@@ -225,10 +214,12 @@ def _dataset(
     marked = ds.attrs.get("dtype")
     if isinstance(marked, bytes):
         marked = marked.decode("latin-1")
+    simple = dt.names is None and dt.subdtype is None
     if dt.kind == "V" and dt.itemsize == 2 and marked == "bfloat16":
         dtype = "BF16"
-    elif (dt.kind, dt.itemsize) in KINDS and dt.names is None and dt.subdtype is None:
-        dtype = KINDS[(dt.kind, dt.itemsize)]
+    elif simple and BY_FRAMEWORK_NAME.get(dt.name) in NUMPY_NATIVE:
+        # numpy names a dtype the same in either byte order; the bytes are swapped below.
+        dtype = BY_FRAMEWORK_NAME[dt.name]
     else:
         raise FormatError(
             f"{where}: dataset {name!r} has dtype {str(dt)[:60]}, which is not a tensor "

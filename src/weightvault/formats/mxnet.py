@@ -9,7 +9,7 @@ slices of a read-only file map: nothing is copied until a tensor is built. Spars
 
 Every count and size is checked against the bytes left in the file before it is used, so
 a crafted file raises :class:`~weightvault.FormatError` at once instead of allocating.
-Densified arrays are charged to the file's :class:`~weightvault._limits.DecodeBudget`
+Densified arrays are charged to the file's :class:`~weightvault._base.limits.DecodeBudget`
 before they are allocated, so many sparse arrays cannot add up to gigabytes either.
 MXNet 2's ``.npz`` files are read by :mod:`weightvault.formats.npz`.
 """
@@ -23,9 +23,9 @@ import struct
 from .._base.dtypes import ITEMSIZE, MAX_DIMS, numel
 from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
+from .._base.types import PathLike
 from .._file.sharing import Source
-from ._common import ForeignCheckpoint, build, decoding, map_file, plain
-from ._detect import MXNET_LIST_MAGIC as LIST_MAGIC
+from ._common import MXNET_LIST_MAGIC, ForeignCheckpoint, build, decoding, map_file, plain
 
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 #: mshadow type flags -> safetensors dtype names (seed-systems.md §2.4).
@@ -106,9 +106,7 @@ class _Array:
         self.data, self.aux = data, aux
 
 
-def open_mxnet(
-    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
-) -> ForeignCheckpoint:
+def open_mxnet(path: PathLike, *, max_decoded_bytes: int | None = None) -> ForeignCheckpoint:
     """Open an MXNet ``.params`` file as a checkpoint, its arrays named as in the file.
 
     A dict file keeps its keys (``arg:``/``aux:`` prefixes included; strip them with
@@ -119,7 +117,7 @@ def open_mxnet(
     Args:
         path: The ``.params`` file.
         max_decoded_bytes: The most bytes sparse arrays may densify to in all; ``None``
-            means the default of :mod:`weightvault._limits` (or its environment variable).
+            means the default of :mod:`weightvault._base.limits` (or its environment variable).
 
     Raises:
         FormatError: The file is malformed, or densifying would pass the decode limit;
@@ -143,7 +141,7 @@ def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> 
     if size < 24:
         raise FormatError(f"{where}: {size} bytes is too small for an MXNet .params file")
     magic, reserved = r.u64(), r.u64()
-    if magic != LIST_MAGIC or reserved != 0:
+    if magic != MXNET_LIST_MAGIC or reserved != 0:
         raise FormatError(
             f"{where}: not an MXNet NDArray file (list magic 0x{magic:x}, expected 0x112); "
             "MXNet 2 .npz files are read as npz"
@@ -158,12 +156,19 @@ def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> 
     for i in range(count):
         r.what = f"array #{i}"
         arrays.append(_read_array(r, i))
+    names = _names(r, count)
+    sources = [_source(where, name, a, budget) for name, a in zip(names, arrays, strict=True)]
+    return build(where, sources, "mxnet", keep=mm)
+
+
+def _names(r: _Cursor, count: int) -> list[str]:
+    """The names after the arrays (``arr_0``, ``arr_1``, ... for a list file), checked."""
     r.what = "the name count"
     n_names = r.u64()
     if n_names not in (0, count):
         raise FormatError(
-            f"{where}: {count} arrays but {n_names} names (a dict file names every array); "
-            f"{FIX_DAMAGED}"
+            f"{r.where}: {count} arrays but {n_names} names (a dict file names every "
+            f"array); {FIX_DAMAGED}"
         )
     names: list[str] = []
     for i in range(n_names):
@@ -173,35 +178,33 @@ def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> 
             names.append(bytes(raw).decode("utf-8"))
         except UnicodeDecodeError:
             raise FormatError(
-                f"{where}: the name of array #{i} is not UTF-8 ({bytes(raw[:40])!r}); {FIX_DAMAGED}"
+                f"{r.where}: the name of array #{i} is not UTF-8 ({bytes(raw[:40])!r}); "
+                f"{FIX_DAMAGED}"
             ) from None
     if r.left:
         raise FormatError(
-            f"{where}: {r.left} unexpected bytes after the last name at offset {r.pos}; "
+            f"{r.where}: {r.left} unexpected bytes after the last name at offset {r.pos}; "
             f"{FIX_DAMAGED}"
         )
-    if not names:
-        names = [f"arr_{i}" for i in range(count)]
     seen: set[str] = set()
     dupes = [n for n in names if n in seen or seen.add(n)]  # type: ignore[func-returns-value]
     if dupes:
-        raise FormatError(f"{where}: names appear twice: {dupes[:8]}; {FIX_DAMAGED}")
-    sources: list[Source] = []
-    for name, a in zip(names, arrays, strict=True):
-        if a.shape is None:
-            raise FormatError(
-                f"{where}: array {name!r} is an uninitialised ('none') NDArray with no "
-                "values; initialise the parameter in MXNet and save again"
-            )
-        if a.stype == 0:
-            sources.append(plain(name, a.dtype, a.shape, a.data))
-            continue
-        # Checked before the dense buffer exists; densifying in MXNet avoids the limit.
-        budget.charge(
-            f"sparse ({STYPES[a.stype]}) array {name!r}", numel(a.shape) * ITEMSIZE[a.dtype]
+        raise FormatError(f"{r.where}: names appear twice: {dupes[:8]}; {FIX_DAMAGED}")
+    return names or [f"arr_{i}" for i in range(count)]
+
+
+def _source(where: str, name: str, a: _Array, budget: DecodeBudget) -> Source:
+    """The save plan's record of one array: a slice of the map, or its densified bytes."""
+    if a.shape is None:
+        raise FormatError(
+            f"{where}: array {name!r} is an uninitialised ('none') NDArray with no "
+            "values; initialise the parameter in MXNet and save again"
         )
-        sources.append(plain(name, a.dtype, a.shape, _densify(where, name, a)))
-    return build(where, sources, "mxnet", keep=mm)
+    if a.stype == 0:
+        return plain(name, a.dtype, a.shape, a.data)
+    # Checked before the dense buffer exists; densifying in MXNet avoids the limit.
+    budget.charge(f"sparse ({STYPES[a.stype]}) array {name!r}", numel(a.shape) * ITEMSIZE[a.dtype])
+    return plain(name, a.dtype, a.shape, _densify(where, name, a))
 
 
 def _shape(r: _Cursor) -> tuple[int, ...] | None:

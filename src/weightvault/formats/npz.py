@@ -8,7 +8,7 @@ Each member ``<name>.npy`` becomes the name ``<name>``; a single ``.npy`` is ``a
 Equal arrays under different names are recorded as copies.
 
 Inflated members and byte-swapped or Fortran-order arrays are new memory: each is charged
-to the file's :class:`~weightvault._limits.DecodeBudget` before it is allocated, so a
+to the file's :class:`~weightvault._base.limits.DecodeBudget` before it is allocated, so a
 deflate bomb is refused however its members add up.
 
 MXNet 2 stores a sparse array as a folder (``w/data.npy``, ``w/indices.npy``,
@@ -28,6 +28,7 @@ from typing import Any
 from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
+from .._base.types import PathLike
 from .._file.sharing import Source
 from ._common import (
     ForeignCheckpoint,
@@ -65,15 +66,13 @@ SPARSE_PARTS = frozenset({"data.npy", "indices.npy", "indptr.npy", "shape.npy", 
 FIX = "the file is truncated or damaged; save it again with numpy.savez"
 
 
-def open_npz(
-    path: str | os.PathLike[str], *, max_decoded_bytes: int | None = None
-) -> ForeignCheckpoint:
+def open_npz(path: PathLike, *, max_decoded_bytes: int | None = None) -> ForeignCheckpoint:
     """Open a ``.npz`` archive or a single ``.npy`` file as a checkpoint.
 
     Args:
         path: The ``.npz`` or ``.npy`` file.
         max_decoded_bytes: The most bytes inflating and byte-swapping may allocate in all;
-            ``None`` means the default of :mod:`weightvault._limits`.
+            ``None`` means the default of :mod:`weightvault._base.limits`.
 
     Raises:
         FormatError: An array is malformed, pickled (``dtype=object``), of an unsupported

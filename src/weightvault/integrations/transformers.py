@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 from .. import _training
 from .._base.errors import TrainingStateError
 from .._file.checkpoint import Checkpoint
-from .._torch.tensors import _base
+from .._torch.tensors import stored_tensor
 from .._training import codec as _codec
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
@@ -212,7 +212,7 @@ def _tensor(ckpt: Checkpoint, name: str) -> torch.Tensor:
             f"{ckpt.path}: its training state names tensor {name!r}, which the checkpoint "
             "does not hold; the checkpoint is damaged: resume from another one"
         )
-    return _base(ckpt, stored, mmap=False).clone()
+    return stored_tensor(ckpt, stored, mmap=False).clone()
 
 
 def _optimizer_state(ckpt: Checkpoint, training: dict[str, Any], where: str) -> dict[str, Any]:
