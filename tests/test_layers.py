@@ -154,3 +154,34 @@ def test_the_walk_sees_lazy_and_package_imports(source: str, expected: set[str])
         if isinstance(node, ast.ImportFrom):
             found |= _resolve([], node, modules)
     assert found == expected
+
+
+def test_no_module_imports_another_folders_private_names() -> None:
+    # A name with a leading underscore is private to its folder; a folder that needs
+    # another's helper asks for a public name, so the owner knows who depends on it.
+    bad = []
+    for path in SRC.rglob("*.py"):
+        name = _module_name(path)
+        parts = name.split(".") if name else []
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 0:
+                if not (node.module or "").startswith("weightvault."):
+                    continue
+                target = (node.module or "").split(".")[1:]
+            else:
+                target = package[: len(package) - (node.level - 1)] + (
+                    node.module.split(".") if node.module else []
+                )
+            if unit(".".join(target)) == unit(name):
+                continue
+            bad += [
+                f"{name}: {'.'.join(target)}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_")
+                and not a.name.startswith("__")
+                and ".".join([*target, a.name]) not in import_graph()
+            ]
+    assert not bad, "\n".join(bad)
