@@ -110,7 +110,10 @@ def _read_direct(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
         or NAMES.get(target.dtype) != e.dtype
     ):
         return False
-    buffer = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    # A contiguous tensor may still carry a stride other than 1 on a size-1 dimension
+    # (``x[::2][:1]``), which ``view(torch.uint8)`` refuses: address its elements densely.
+    flat = target.detach().as_strided((target.numel(),), (1,))
+    buffer = memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
     if not ckpt.read_into(e.stored, buffer):
         return False
     # Writing through numpy bypasses autograd's version counter; bump it as copy_ would,
