@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 import weightvault
 import weightvault.torch as wv
-from weightvault._cli.vault import plot
+from weightvault._cli.plot import plot
 
 MiB = 2**20
 
@@ -184,7 +184,7 @@ def main() -> None:
         f"outputs identical to the trained model: {same} "
         f"(max abs difference before loading {float((before - expected_logits).abs().max()):.3f})"
     )
-    png = plot(vault, os.path.join(args.vault, "bytes.png"))
+    png = plot(vault, os.path.join(args.vault, "bytes.png")).file
     print(f"picture of bytes on disk: {png}")
     if not same:
         raise SystemExit("reloaded outputs differ")

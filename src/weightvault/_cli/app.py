@@ -23,6 +23,7 @@ from .. import __version__
 from .._base.errors import FormatError, WeightvaultError
 from .._base.progress import Progress
 from .._tools.inspect import diff, inspect, verify
+from ..formats._open import opened
 from .common import (
     EXIT_CODES,
     EXIT_FAILED,
@@ -33,9 +34,9 @@ from .common import (
     Subparsers,
     add_command,
     exit_code,
-    print_inspection,
     report_diff,
 )
+from .describe import describe, inspection_doc, kind_of, print_inspection
 
 #: Set to 1 to let an unexpected error show its traceback.
 DEBUG_ENV = "WEIGHTVAULT_DEBUG"
@@ -59,22 +60,17 @@ examples:
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    info = inspect(args.file)
+    with opened(args.file) as ckpt:
+        info, training = describe(ckpt)
     if args.json:
-        doc = asdict(info)
-        doc["bytes_saved"] = info.bytes_saved
-        doc["dedupe_savings"] = info.dedupe_savings
-        json.dump(doc, out, indent=2)
+        json.dump(inspection_doc(info, training), out, indent=2)
         out.write("\n")
         return EXIT_OK
-    if info.format_version:
-        kind = f"weightvault v{info.format_version}"
-    elif info.container == "safetensors":
-        kind = "plain safetensors"
-    else:
-        kind = f"{info.container} file, read without its framework"
-    out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
-    print_inspection(info, out)
+    out.write(
+        f"{info.path}: {kind_of(info)}, {len(info.names)} names, "
+        f"{len(info.stored) - len(training.tensors)} stored\n\n"
+    )
+    print_inspection(info, training, out)
     return EXIT_OK
 
 
@@ -172,6 +168,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0) and EXIT_USAGE
+    # Errors name the whole command, as in "weightvault vault log: ...".
+    command = " ".join(filter(None, [args.command, getattr(args, "verb", None)]))
     try:
         result: Any = args.func(args, out)
         return int(result)
@@ -181,10 +179,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         return EXIT_OK
     except (WeightvaultError, OSError) as e:
-        _error(args.command, str(e))
+        _error(command, str(e))
         return exit_code(e)
     except KeyboardInterrupt:
-        _error(args.command, "interrupted")
+        _error(command, "interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:
         # Hostile input must not end in a traceback: one line, a documented code, and
@@ -193,7 +191,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             traceback.print_exc()
         detail = " ".join(str(e)[:300].split())
         _error(
-            args.command,
+            command,
             f"unexpected {type(e).__name__}: {detail} (set {DEBUG_ENV}=1 to see the "
             "traceback, and please report it)",
         )

@@ -17,10 +17,10 @@ from .._base.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     FormatError,
+    VaultNotFoundError,
     WeightvaultError,
 )
-from .._base.progress import human
-from .._tools.inspect import DiffReport, Inspection
+from .._tools.inspect import DiffReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE, EXIT_UNEXPECTED = 0, 1, 2, 3, 4
 EXIT_REFUSED, EXIT_NOT_INSTALLED = 5, 6
@@ -32,7 +32,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_FAILED: "a check failed (verify found damage, diff found differences)",
     EXIT_USAGE: "usage error (unknown command, missing or malformed arguments)",
     EXIT_UNREADABLE: "an input could not be read (missing or unreadable file, not a "
-    "valid checkpoint, no vault checkpoint of that name)",
+    "valid checkpoint, no vault at that path, no vault checkpoint of that name)",
     EXIT_UNEXPECTED: "unexpected error, reported in one line (WEIGHTVAULT_DEBUG=1 shows "
     "the traceback; please report it)",
     EXIT_REFUSED: "refused: the inputs are fine but the request cannot be done as asked "
@@ -51,57 +51,17 @@ def exit_code(error: BaseException) -> int:
     # CheckpointExistsError is a FileExistsError, hence an OSError: test it first.
     if isinstance(error, CheckpointExistsError):
         return EXIT_REFUSED
-    if isinstance(error, FormatError | CheckpointNotFoundError | OSError):
+    if isinstance(error, FormatError | CheckpointNotFoundError | VaultNotFoundError | OSError):
         return EXIT_UNREADABLE
     if isinstance(error, WeightvaultError):
         return EXIT_REFUSED
     return EXIT_UNEXPECTED
 
 
-_size = human
-
-
-def _table(rows: list[list[str]], out: TextIO) -> None:
+def table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
-
-
-def print_inspection(info: Inspection, out: TextIO) -> None:
-    """The table of names grouped by the tensor they share, and the totals."""
-    rows = [["name", "dtype", "shape", "size", "held as"]]
-    members: dict[str, list[str]] = {}
-    for name, rec in info.tensors.items():
-        if rec.kind != "stored":
-            members.setdefault(rec.stored, []).append(name)
-    for name in info.stored:
-        t = info.tensors.get(name)
-        if t is None:  # storage that several views share, not itself a model name
-            size = _size(info.shared_storage[name])
-            rows.append([name, "U8", "", size, "storage shared by views"])
-        else:
-            flag = " (frozen)" if name in info.frozen else ""
-            if name in info.duplicates:
-                flag += f", equal to {info.duplicates[name]}"
-            rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
-        for other in members.get(name, []):
-            o = info.tensors[other]
-            how = {"alias": "alias of", "copy": "copy of", "view": "view of"}[o.kind]
-            rows.append([f"  {other}", o.dtype, str(list(o.shape)), "0 B", f"{how} {name}"])
-    _table(rows, out)
-    out.write(
-        f"\nlogical {_size(info.logical_bytes)}, stored {_size(info.stored_bytes)}, "
-        f"saved by deduplication {_size(info.bytes_saved)}; "
-        f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
-        f"{len(info.frozen)} frozen\n"
-    )
-    if info.duplicates:
-        out.write(
-            f"{len(info.duplicates)} copies are stored under their own names for plain "
-            f"readers; dedupe_copies=True would save {_size(info.dedupe_savings)} more\n"
-        )
-    if info.metadata:
-        out.write(f"metadata: {json.dumps(info.metadata)}\n")
 
 
 def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:

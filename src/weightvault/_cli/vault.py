@@ -9,18 +9,21 @@ import os
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
-from .._tools.inspect import diff, inspect
+from .._tools.inspect import diff
+from .._vault.store import open_store
 from .._vault.vault import Vault
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
     Subparsers,
-    _table,
     add_command,
-    print_inspection,
     report_diff,
+    table,
 )
+from .describe import describe, inspection_doc, print_inspection
+from .plot import plot
 
 EPILOG = """\
 ROOT is a folder or an fsspec URL (s3://bucket/run1; credentials and endpoint come from
@@ -38,11 +41,39 @@ examples:
 """
 
 
+#: Metadata values longer than this are cut in ``log``'s table (``--json`` has them whole).
+META_CHARS = 40
+
+
+def _short(value: str) -> str:
+    """``value`` on one line, cut to :data:`META_CHARS` characters."""
+    flat = " ".join(value.split())
+    return flat if len(flat) <= META_CHARS else flat[: META_CHARS - 3] + "..."
+
+
 def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def holds_vault(root: str) -> bool:
+    """Whether ``root`` (a folder or an fsspec URL) holds a vault, checked without
+    creating anything: a mistyped path must not become an empty vault."""
+    if "://" not in root or root.startswith("file://"):
+        return os.path.isfile(os.path.join(root.removeprefix("file://"), "vault.json"))
+    return open_store(root).exists("vault.json")
+
+
 def _vault(args: argparse.Namespace) -> Vault:
+    """The vault at ``args.root``; every verb reads an existing vault, none creates one.
+
+    Raises:
+        VaultNotFoundError: ``args.root`` holds no vault (exit code 3).
+    """
+    if not holds_vault(args.root):
+        raise VaultNotFoundError(
+            f"{args.root}: no vault here (no vault.json); check the path, or create a vault "
+            "by saving into it: weightvault.Vault(path).save(model)"
+        )
     return Vault(args.root)
 
 
@@ -55,12 +86,16 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_OK
     rows = [["checkpoint", "created", "logical", "new bytes", "metadata"]]
     for r in records:
-        meta = " ".join(f"{k}={v}" for k, v in r.metadata.items())
+        meta = " ".join(f"{k}={_short(v)}" for k, v in r.metadata.items())
         rows.append([r.name, _when(r.created), human(r.logical_bytes), human(r.new_bytes), meta])
-    _table(rows, out)
+    table(rows, out)
     separate = sum(r.stored_bytes for r in records)
     disk = vault.disk_bytes()
-    ratio = f" ({separate / disk:.1f}x smaller)" if disk else ""
+    ratio = ""
+    if disk and separate > disk:
+        ratio = f" ({separate / disk:.1f}x smaller)"
+    elif disk:
+        ratio = " (the vault is not smaller here)"
     out.write(
         f"\n{len(records)} checkpoints; vault on disk {human(disk)}, as separate files "
         f"{human(separate)}{ratio}\n"
@@ -71,10 +106,10 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     with vault.open(args.name) as ckpt:
-        info = inspect(ckpt)
+        info, training = describe(ckpt)
         record = ckpt.record
     if args.json:
-        doc: dict[str, Any] = {"record": asdict(record), "tensors": asdict(info)["tensors"]}
+        doc = {"record": asdict(record), **inspection_doc(info, training)}
         json.dump(doc, out, indent=2)
         out.write("\n")
         return EXIT_OK
@@ -82,7 +117,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         f"{record.name}: created {_when(record.created)}, {len(info.names)} names, "
         f"new bytes {human(record.new_bytes)}\n\n"
     )
-    print_inspection(info, out)
+    print_inspection(info, training, out)
     return EXIT_OK
 
 
@@ -150,41 +185,17 @@ def cmd_rm(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
-    path = plot(vault, args.output)
-    out.write(f"wrote {path}\n")
+    drawn = plot(vault, args.output)
+    if args.json:
+        json.dump(drawn.as_dict(), out, indent=2)
+        out.write("\n")
+    else:
+        out.write(
+            f"wrote {drawn.file}: {len(drawn.points)} checkpoints by {drawn.x}, "
+            f"{human(drawn.vault_bytes)} in the vault against {human(drawn.files_bytes)} "
+            f"as separate files ({drawn.ratio:.1f}x)\n"
+        )
     return EXIT_OK
-
-
-def plot(vault: Vault, path: str | os.PathLike[str]) -> str:
-    """Draw cumulative bytes on disk per checkpoint, vault versus separate files, as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = vault.list()
-    xs = list(range(1, len(records) + 1))
-    vault_total, files_total = [], []
-    v = f = 0
-    for r in records:
-        v += r.new_bytes
-        f += r.stored_bytes
-        vault_total.append(v / 2**20)
-        files_total.append(f / 2**20)
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(xs, files_total, marker="o", label="separate safetensors files")
-    ax.plot(xs, vault_total, marker="o", label="weightvault vault")
-    ax.set_xlabel("checkpoint")
-    ax.set_ylabel("cumulative MiB on disk")
-    ax.set_title(f"{os.path.basename(vault.url.rstrip('/')) or vault.url}: bytes on disk")
-    ax.set_xticks(xs, [r.name for r in records], rotation=45, ha="right", fontsize=8)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return os.fspath(path)
 
 
 def register(sub: Subparsers) -> None:
