@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import sys
 import textwrap
@@ -34,6 +33,8 @@ from .common import (
     Subparsers,
     add_command,
     exit_code,
+    not_a_vault,
+    print_json,
     report_diff,
 )
 from .describe import describe, inspection_doc, kind_of, print_inspection
@@ -60,11 +61,10 @@ examples:
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    with opened(args.file) as ckpt:
+    with opened(not_a_vault(args.file)) as ckpt:
         info, training = describe(ckpt)
     if args.json:
-        json.dump(inspection_doc(info, training), out, indent=2)
-        out.write("\n")
+        print_json(inspection_doc(info, training), out)
         return EXIT_OK
     out.write(
         f"{info.path}: {kind_of(info)}, {len(info.names)} names, "
@@ -75,7 +75,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
-    with open(args.file, "rb"):
+    with open(not_a_vault(args.file), "rb"):
         pass  # an unreadable path is exit 3, not "damaged"
     try:
         total = inspect(args.file).stored_bytes
@@ -85,8 +85,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     report = verify(args.file, progress=bar)
     bar.close()
     if args.json:
-        json.dump(asdict(report), out, indent=2)
-        out.write("\n")
+        print_json(asdict(report), out)
     elif report.ok:
         note = "" if report.has_checksums else " (no checksums recorded: structure only)"
         out.write(f"{report.path}: OK, {report.checked} tensors checked{note}\n")
@@ -98,7 +97,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
-    return report_diff(diff(args.a, args.b), args.atol, args.json, out)
+    return report_diff(diff(not_a_vault(args.a), not_a_vault(args.b)), args.atol, args.json, out)
 
 
 def _extensions() -> list[Callable[[Subparsers], None]]:

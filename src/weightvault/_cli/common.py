@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TextIO
@@ -71,8 +72,7 @@ def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
     if as_json:
         doc = asdict(d)
         doc["changed"] = changed
-        json.dump(doc, out, indent=2)
-        out.write("\n")
+        print_json(doc, out)
     else:
         for n in d.removed:
             out.write(f"- {n}\n")
@@ -87,6 +87,26 @@ def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
             f"{len(changed)} changed, {within} within --atol, {d.same} identical\n"
         )
     return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
+
+
+def not_a_vault(path: str) -> str:
+    """``path`` itself, unless it is a vault's folder: then a hint to the vault commands.
+
+    Raises:
+        FormatError: ``path`` is a vault, which the file commands do not read.
+    """
+    if os.path.isfile(os.path.join(path, "vault.json")):
+        raise FormatError(
+            f"{path}: is a vault, not a checkpoint file; use 'weightvault vault {path} show' "
+            "(or log, diff, export)"
+        )
+    return path
+
+
+def print_json(doc: object, out: TextIO) -> None:
+    """Print ``doc`` as the one JSON document a ``--json`` command writes."""
+    json.dump(doc, out, indent=2)
+    out.write("\n")
 
 
 Subparsers = Any  # argparse's _SubParsersAction, which is private

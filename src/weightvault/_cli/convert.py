@@ -18,7 +18,7 @@ from .._file.checkpoint import Checkpoint
 from .._load.rules import Rule, check, explain
 from .._tools.convert import convert
 from ..formats._open import opened
-from .common import EXIT_OK, EXIT_USAGE, Subparsers, add_command
+from .common import EXIT_OK, EXIT_USAGE, Subparsers, add_command, not_a_vault, print_json
 
 #: How many renames the text output lists before it says how many more there are.
 SHOWN_RENAMES = 10
@@ -115,7 +115,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         # refused later (exit 5), once the source's names are known.
         sys.stderr.write(f"weightvault convert: {e}\n")
         return EXIT_USAGE
-    with opened(args.src) as ckpt:
+    with opened(not_a_vault(args.src)) as ckpt:
         renames = plan_renames(ckpt, rules, args.rules) if rules else Renames()
         report = convert(
             ckpt, args.dst, rules=rules, dry_run=args.dry_run, dedupe_copies=args.dedupe_copies
@@ -124,8 +124,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         doc = {"src": args.src, "dst": args.dst, "dry_run": args.dry_run, **asdict(report)}
         doc.update(bytes_before=before, bytes_saved=report.bytes_saved, **asdict(renames))
-        json.dump(doc, out, indent=2)
-        out.write("\n")
+        print_json(doc, out)
     else:
         print_report(args, report, renames, before, out)
     return EXIT_OK

@@ -77,6 +77,14 @@ def measure(records: list[CheckpointRecord], path: str) -> BytesPlot:
     return out
 
 
+def axis_unit(most: int) -> tuple[str, int]:
+    """The largest of KiB, MiB and GiB that ``most`` bytes fill at least once."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if most >= scale:
+            return unit, scale
+    return "KiB", 2**10
+
+
 def plot(vault: Vault, path: str | os.PathLike[str]) -> BytesPlot:
     """Draw cumulative bytes on disk per checkpoint, vault versus separate files, as PNG.
 
@@ -94,28 +102,25 @@ def plot(vault: Vault, path: str | os.PathLike[str]) -> BytesPlot:
     by_step = data.x == "step"
     xs = [i + 1 if p.step is None else p.step for i, p in enumerate(data.points)]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    mib = 2**20
-    ax.plot(xs, [p.files_bytes / mib for p in data.points], marker="o", label="separate files")
-    ax.plot(xs, [p.vault_bytes / mib for p in data.points], marker="o", label="weightvault vault")
+    unit, scale = axis_unit(data.files_bytes)
+    ax.plot(xs, [p.files_bytes / scale for p in data.points], marker="o", label="separate files")
+    ax.plot(xs, [p.vault_bytes / scale for p in data.points], marker="o", label="weightvault vault")
     ax.set_xlabel("training step" if by_step else "checkpoint")
-    ax.set_ylabel("cumulative MiB on disk")
-    ax.set_title(f"{os.path.basename(vault.url.rstrip('/')) or vault.url}: bytes on disk")
+    ax.set_ylabel(f"cumulative {unit} on disk")
+    title = f"{os.path.basename(vault.url.rstrip('/')) or vault.url}: bytes on disk"
+    if data.vault_bytes:
+        # The saving, on the picture itself: what someone shown only the PNG asks first.
+        title += (
+            f"\n{len(data.points)} checkpoints: {human(data.vault_bytes)} in the vault, "
+            f"{human(data.files_bytes)} as separate files ({data.ratio:.1f}x smaller)"
+        )
+    ax.set_title(title, fontsize=10)
     if by_step:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         names = [p.name for p in data.points]
         slanted = len(names) > MAX_FLAT or max(map(len, names), default=0) > MAX_FLAT_CHARS
         ax.set_xticks(xs, names, rotation=30 if slanted else 0, ha="right" if slanted else "center")
-    if data.vault_bytes:
-        ax.text(
-            0.02,
-            0.97,
-            f"{len(data.points)} checkpoints: {human(data.vault_bytes)} in the vault, "
-            f"{human(data.files_bytes)} as separate files: {data.ratio:.1f}x smaller",
-            transform=ax.transAxes,
-            va="top",
-            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
-        )
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 from dataclasses import asdict
 from typing import Any, TextIO
@@ -19,6 +18,7 @@ from .common import (
     EXIT_OK,
     Subparsers,
     add_command,
+    print_json,
     report_diff,
     table,
 )
@@ -81,8 +81,7 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     records = vault.list()
     if args.json:
-        json.dump([asdict(r) for r in records], out, indent=2)
-        out.write("\n")
+        print_json([asdict(r) for r in records], out)
         return EXIT_OK
     rows = [["checkpoint", "created", "logical", "new bytes", "metadata"]]
     for r in records:
@@ -110,8 +109,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         record = ckpt.record
     if args.json:
         doc = {"record": asdict(record), **inspection_doc(info, training)}
-        json.dump(doc, out, indent=2)
-        out.write("\n")
+        print_json(doc, out)
         return EXIT_OK
     out.write(
         f"{record.name}: created {_when(record.created)}, {len(info.names)} names, "
@@ -133,12 +131,11 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     report = vault.verify(progress=bar)
     bar.close()
     if args.json:
-        json.dump(asdict(report), out, indent=2)
-        out.write("\n")
+        print_json(asdict(report), out)
     elif report.ok:
-        out.write(f"{vault.url}: OK, {report.checkpoints} checkpoints, {report.objects} objects\n")
+        out.write(f"{args.root}: OK, {report.checkpoints} checkpoints, {report.objects} objects\n")
     else:
-        out.write(f"{vault.url}: DAMAGED\n")
+        out.write(f"{args.root}: DAMAGED\n")
         for p in report.problems:
             out.write(f"  {p}\n")
     return EXIT_OK if report.ok else EXIT_FAILED
@@ -151,8 +148,7 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     freed = vault.gc()
     if args.json:
         doc = {"freed_bytes": freed, "disk_bytes": before - freed}
-        json.dump({**doc, "broken_locks": broken} if args.break_lock else doc, out)
-        out.write("\n")
+        print_json({**doc, "broken_locks": broken} if args.break_lock else doc, out)
     else:
         for key in broken:
             out.write(f"removed {key}, the marker of a gc that died\n")
@@ -164,8 +160,7 @@ def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     size = vault.export(args.name, args.file, dedupe_copies=args.dedupe_copies)
     if args.json:
-        json.dump({"file": args.file, "bytes": size}, out)
-        out.write("\n")
+        print_json({"file": args.file, "bytes": size}, out)
     else:
         out.write(f"wrote {args.file} ({human(size)}), a standalone safetensors file\n")
     return EXIT_OK
@@ -176,8 +171,7 @@ def cmd_rm(args: argparse.Namespace, out: TextIO) -> int:
     for name in args.names:
         vault.delete(name)
     if args.json:
-        json.dump({"deleted": args.names}, out)
-        out.write("\n")
+        print_json({"deleted": args.names}, out)
     else:
         out.write(f"deleted {', '.join(args.names)}; run 'gc' to free their bytes\n")
     return EXIT_OK
@@ -187,13 +181,12 @@ def cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     drawn = plot(vault, args.output)
     if args.json:
-        json.dump(drawn.as_dict(), out, indent=2)
-        out.write("\n")
+        print_json(drawn.as_dict(), out)
     else:
         out.write(
-            f"wrote {drawn.file}: {len(drawn.points)} checkpoints by {drawn.x}, "
+            f"wrote {drawn.file}: {len(drawn.points)} checkpoints (x axis: {drawn.x}); "
             f"{human(drawn.vault_bytes)} in the vault against {human(drawn.files_bytes)} "
-            f"as separate files ({drawn.ratio:.1f}x)\n"
+            f"as separate files ({drawn.ratio:.1f}x smaller)\n"
         )
     return EXIT_OK
 
@@ -217,11 +210,11 @@ def register(sub: Subparsers) -> None:
         return p
 
     verb("log", cmd_log, "List checkpoints, oldest first, with what each one cost.")
-    p = verb("show", cmd_show, "List the tensors of one checkpoint ('latest' for the newest).")
-    p.add_argument("name")
+    p = verb("show", cmd_show, "List the tensors of one checkpoint (by default the newest).")
+    p.add_argument("name", nargs="?", default="latest", help="a checkpoint, or 'latest'")
     p = verb("diff", cmd_diff, "Compare two checkpoints name by name; exit 1 if they differ.")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="the first checkpoint")
+    p.add_argument("b", help="the second checkpoint ('latest' for the newest)")
     p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
     verb("verify", cmd_verify, "Check every record and every object's hash; exit 1 if damaged.")
     p = verb("gc", cmd_gc, "Delete objects that no checkpoint references; print the bytes freed.")
@@ -231,8 +224,8 @@ def register(sub: Subparsers) -> None:
         help="first remove the markers of gcs that died (refused while one may be running)",
     )
     p = verb("export", cmd_export, "Write one checkpoint as a standalone safetensors file.")
-    p.add_argument("name")
-    p.add_argument("file")
+    p.add_argument("name", help="the checkpoint, or 'latest'")
+    p.add_argument("file", help="the safetensors file to write")
     p.add_argument(
         "--dedupe-copies",
         action="store_true",
@@ -240,6 +233,6 @@ def register(sub: Subparsers) -> None:
         "readers then miss the copies' names)",
     )
     p = verb("rm", cmd_rm, "Delete checkpoints (their bytes are freed by the next gc).")
-    p.add_argument("names", nargs="+")
+    p.add_argument("names", nargs="+", help="checkpoints to delete ('latest' is refused)")
     p = verb("plot", cmd_plot, "Draw cumulative bytes on disk: vault versus separate files.")
     p.add_argument("-o", "--output", default="vault-bytes.png", help="PNG file to write")
