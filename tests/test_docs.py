@@ -27,6 +27,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -277,3 +278,147 @@ def test_finetune_demo_runs_tiny(tmp_path):
 def test_blocks_needing_missing_packages_are_skipped_not_failed() -> None:
     code = "import json\nimport no_such_package_xyz.sub\nfrom weightvault import inspect\n"
     assert missing_imports(code) == ["no_such_package_xyz.sub"]
+
+
+# -- docs/cli.md: every `$ weightvault` line's output is what the command prints -------------
+
+CONSOLE = re.compile(r"^```console[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+#: Dates differ from run to run; both sides are compared with this pattern masked.
+DATE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+
+
+@dataclass
+class Step:
+    """One ``$ command`` of a console block and the output the page shows for it."""
+
+    command: str
+    expected: list[str]
+    line: int
+
+
+def transcript(text: str) -> list[Step]:
+    """Every ``$ command`` of every console block, in order."""
+    steps: list[Step] = []
+    for m in CONSOLE.finditer(text):
+        first = text.count("\n", 0, m.start()) + 2
+        for i, line in enumerate(m.group(1).splitlines()):
+            if line.startswith("$ "):
+                steps.append(Step(line[2:], [], first + i))
+            elif steps:
+                steps[-1].expected.append(line)
+    return steps
+
+
+def shows(expected: list[str], actual: str) -> bool:
+    """Whether ``actual`` is ``expected``, a line ``...`` standing for any lines."""
+    pattern = "".join(
+        r"(?:.*\n)*?" if line == "..." else re.escape(DATE.sub("DATE", line)) + r"\n"
+        for line in expected
+    )
+    return re.fullmatch(pattern, DATE.sub("DATE", actual)) is not None
+
+
+def replay(steps: list[Step], capsys: pytest.CaptureFixture[str]) -> list[tuple[Step, str]]:
+    """Run each step in the current folder: ``weightvault ...`` or ``echo $?``."""
+    import shlex
+
+    from weightvault._cli.app import main
+
+    code, out = 0, []
+    for step in steps:
+        argv = shlex.split(step.command, comments=True)
+        if argv == ["echo", "$?"]:
+            actual = f"{code}\n"
+        elif argv[:1] == ["weightvault"]:
+            capsys.readouterr()
+            code = main(argv[1:])
+            captured = capsys.readouterr()
+            actual = captured.out + captured.err
+        else:
+            raise AssertionError(f"docs/cli.md:{step.line}: only weightvault and echo $? run")
+        out.append((step, actual))
+    return out
+
+
+#: The time every vault record of the replay is made at (2026-01-01 00:00:00.5 UTC).
+FIXED_TIME = 1767225600.5
+
+
+def steady(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the bytes the page shows repeatable: the RNG states a checkpoint saves come
+    from seeded generators, and every record is made at :data:`FIXED_TIME`, so headers
+    and records have the same length on every run."""
+    import random
+    import time
+
+    import numpy as np
+
+    random.seed(0)
+    np.random.seed(0)
+    monkeypatch.setattr(time, "time", lambda: FIXED_TIME)
+
+
+def test_cli_md_shows_what_each_command_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each `$ weightvault` line of docs/cli.md, run after the page's own script, prints
+    exactly the output the page shows (and `echo $?` the exit code)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    path = ROOT / "docs" / "cli.md"
+    setup = python_blocks(path)[0]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps usage lines to the terminal
+    steady(monkeypatch)
+    exec(compile("\n" * (setup.line - 1) + setup.code, str(path), "exec"), {})
+    wrong = [
+        f"docs/cli.md:{step.line}: $ {step.command}\n{actual}"
+        for step, actual in replay(transcript(path.read_text(encoding="utf-8")), capsys)
+        if not shows(step.expected, actual)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_transcripts_compare_lines_with_ellipses() -> None:
+    assert shows(["a", "...", "d"], "a\nb\nc\nd\n")
+    assert shows(["a", "...", "b"], "a\nb\n")
+    assert not shows(["a", "b"], "a\nb\nc\n")
+    assert shows(["made 2024-01-02 03:04:05"], "made 2026-12-01 21:20:13\n")
+
+
+def commands(parser: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], list[list[str]]]:
+    """Every runnable command of ``parser`` (``("vault", "gc")``) and its flags, each as
+    its spellings (``["-o", "--output"]``)."""
+    import argparse
+
+    out: dict[tuple[str, ...], list[list[str]]] = {}
+    skip = {"-h", "--help", "--version"}
+    flags = [a.option_strings for a in parser._actions if set(a.option_strings) - skip]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for leaf, more in commands(sub, (*path, name)).items():
+                    out[leaf] = more + flags
+    return out or {path: flags}
+
+
+def test_cli_md_runs_every_command_with_every_flag() -> None:
+    """Each command, and each of its flags, appears in a `$ weightvault` line of the page,
+    so every one is shown with the output of a real run."""
+    import shlex
+
+    from weightvault._cli.app import build_parser
+
+    lines = [
+        shlex.split(s.command, comments=True)
+        for s in transcript((ROOT / "docs" / "cli.md").read_text(encoding="utf-8"))
+    ]
+    runs = [a[1:] for a in lines if a[:1] == ["weightvault"]]
+    for command, flags in commands(build_parser()).items():
+        shown = [a for a in runs if a[: len(command)] == list(command)]
+        if command[0] == "vault":  # weightvault vault ROOT VERB
+            shown = [a for a in runs if a[:1] == ["vault"] and a[2:3] == [command[1]]]
+        assert shown, f"docs/cli.md runs no 'weightvault {' '.join(command)}'"
+        for spellings in flags:
+            used = any(f in a for a in shown for f in spellings)
+            assert used, f"docs/cli.md never runs {command} {spellings[-1]}"

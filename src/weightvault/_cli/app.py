@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         return EXIT_OK
     except (WeightvaultError, OSError) as e:
-        _error(command, str(e))
+        _error(command, as_given(str(e), args))
         return exit_code(e)
     except KeyboardInterrupt:
         _error(command, "interrupted")
@@ -195,6 +195,14 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             "traceback, and please report it)",
         )
         return EXIT_UNEXPECTED
+
+
+def as_given(message: str, args: argparse.Namespace) -> str:
+    """``message`` with a local vault's absolute path written as the user typed it."""
+    root = getattr(args, "root", None)
+    if not isinstance(root, str) or "://" in root:
+        return message
+    return message.replace(os.path.abspath(root), root)
 
 
 def _printable(stream: TextIO) -> TextIO:

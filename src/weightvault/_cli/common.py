@@ -72,6 +72,8 @@ def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
     if as_json:
         doc = asdict(d)
         doc["changed"] = changed
+        doc["atol"] = atol
+        doc["within_atol"] = [(n, v) for n, v in d.changed if (n, v) not in changed]
         print_json(doc, out)
     else:
         for n in d.removed:

@@ -194,20 +194,29 @@ def print_inspection(info: Inspection, training: TrainingState, out: TextIO) -> 
     saved = info.logical_bytes - model_stored_bytes(info, training)
     out.write(
         f"\nlogical {human(info.logical_bytes)}, stored {human(model_stored_bytes(info, training))}"
-        f", saved by deduplication {human(saved)}; "
-        f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
-        f"{len(info.frozen)} frozen\n"
+        f", saved by deduplication {human(saved)}; {counts(info)}\n"
     )
-    if info.duplicates:
+    # Training state's copies (AdamW's equal "step" scalars) are no model name: not here.
+    copies = [n for n in info.duplicates if n in info.tensors]
+    if copies:
         out.write(
-            f"{len(info.duplicates)} copies are stored under their own names for plain "
-            f"readers; dedupe_copies=True would save {human(dedupe_savings(info, training))} "
-            "more\n"
+            f"{len(copies)} copies are stored under their own names for plain readers; "
+            f"dedupe_copies=True would save {human(info.dedupe_savings)} more\n"
         )
     if training:
         print_training(training, out)
     if info.metadata:
         out.write(f"metadata: {json.dumps(info.metadata)}\n")
+
+
+def counts(info: Inspection) -> str:
+    """How many model names are aliases, copies, views and frozen (training state's
+    own copies, such as AdamW's equal step counts, are not model names)."""
+    kinds = [rec.kind for rec in info.tensors.values()]
+    return (
+        f"{kinds.count('alias')} aliases, {kinds.count('copy')} copies, "
+        f"{kinds.count('view')} views, {len(info.frozen)} frozen"
+    )
 
 
 def print_training(training: TrainingState, out: TextIO) -> None:

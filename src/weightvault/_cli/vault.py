@@ -12,7 +12,7 @@ from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
 from .._vault.store import open_store
-from .._vault.vault import Vault
+from .._vault.vault import CheckpointRecord, Vault
 from .common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -88,18 +88,20 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
         meta = " ".join(f"{k}={_short(v)}" for k, v in r.metadata.items())
         rows.append([r.name, _when(r.created), human(r.logical_bytes), human(r.new_bytes), meta])
     table(rows, out)
-    separate = sum(r.stored_bytes for r in records)
-    disk = vault.disk_bytes()
-    ratio = ""
-    if disk and separate > disk:
-        ratio = f" ({separate / disk:.1f}x smaller)"
-    elif disk:
-        ratio = " (the vault is not smaller here)"
-    out.write(
-        f"\n{len(records)} checkpoints; vault on disk {human(disk)}, as separate files "
-        f"{human(separate)}{ratio}\n"
-    )
+    out.write(f"\n{len(records)} checkpoints; {summary(vault, records)}\n")
     return EXIT_OK
+
+
+def summary(vault: Vault, records: list[CheckpointRecord]) -> str:
+    """Tensor bytes in the vault against the same checkpoints as separate files, and
+    what the vault takes on disk with its records."""
+    separate = sum(r.stored_bytes for r in records)
+    held = sum(b.size for b in vault.store.list("objects"))
+    ratio = f"{separate / held:.1f}x smaller" if held and separate > held else "no smaller"
+    return (
+        f"tensors {human(held)} in the vault against {human(separate)} as separate files "
+        f"({ratio}); {human(vault.disk_bytes())} on disk with the records"
+    )
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
@@ -122,7 +124,10 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     with vault.open(args.a) as a, vault.open(args.b) as b:
-        return report_diff(diff(a, b), args.atol, args.json, out)
+        report = diff(a, b)
+        # The checkpoints by name ('latest' resolved), not by their records' paths.
+        report.a, report.b = a.record.name, b.record.name
+        return report_diff(report, args.atol, args.json, out)
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -173,7 +178,9 @@ def cmd_rm(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         print_json({"deleted": args.names}, out)
     else:
-        out.write(f"deleted {', '.join(args.names)}; run 'gc' to free their bytes\n")
+        out.write(
+            f"deleted {', '.join(args.names)}; 'gc' frees the bytes no other checkpoint shares\n"
+        )
     return EXIT_OK
 
 
