@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+import weightvault  # noqa: E402
 import weightvault.torch as wv  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
 
@@ -309,3 +310,17 @@ def test_a_file_that_grows_says_so_and_names_the_flag(tmp_path, capsys):
     code, out, _ = cli(capsys, "convert", str(src), str(tmp_path / "x.safetensors"))
     assert code == 0
     assert "--dedupe-copies would save 32768 (32.0 KiB) more" in out
+
+
+def test_bad_tolerances_and_sharded_indexes_are_refused_clearly(tied, tmp_path, capsys):
+    _, path = tied
+    for atol in ("nan", "inf", "-1"):
+        assert cli(capsys, "diff", str(path), str(path), f"--atol={atol}")[0] == 2
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {}}')
+    code, out, err = cli(capsys, "inspect", str(index))
+    assert code == 3 and out == "" and "name a shard" in err
+    vault = tmp_path / "v"
+    weightvault.Vault(vault).save({"w": torch.ones(2)})
+    code, _, err = cli(capsys, "inspect", str(vault))
+    assert code == 3 and f"use 'weightvault vault {vault} show'" in err

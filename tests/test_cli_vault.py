@@ -296,3 +296,16 @@ def test_plot_uses_checkpoint_names_without_steps(tmp_path, capsys):
     assert [p["name"] for p in doc["points"]] == ["warmup", "final"]
     assert [p["step"] for p in doc["points"]] == [None, None]
     assert doc["files_bytes"] == 64 * 4 * 2 + 16 and doc["vault_bytes"] == 64 * 4 + 16
+
+
+def test_an_empty_vault_and_a_missing_matplotlib(tmp_path, capsys, monkeypatch):
+    root = tmp_path / "v"
+    v = weightvault.Vault(root)
+    v.save({"w": torch.ones(2)})
+    v.delete("000001")
+    code, out, _ = cli(capsys, "vault", str(root), "log")
+    assert code == 0 and out == f"{root}: no checkpoints yet\n"
+    assert json.loads(cli(capsys, "vault", str(root), "log", "--json")[1]) == []
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    code, out, err = cli(capsys, "vault", str(root), "plot", "-o", str(tmp_path / "p.png"))
+    assert code == 6 and "pip install 'weightvault[plot]'" in err

@@ -36,6 +36,7 @@ from .common import (
     not_a_vault,
     print_json,
     report_diff,
+    tolerance,
 )
 from .describe import describe, inspection_doc, kind_of, print_inspection
 
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", help="the first file")
     p.add_argument("b", help="the second file")
-    p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
+    p.add_argument("--atol", type=tolerance, default=0.0, help="ignore changes up to this size")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     for register in _extensions():
         register(sub)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -91,12 +92,26 @@ def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
     return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
 
 
+def tolerance(text: str) -> float:
+    """``--atol``: a finite number, zero or more (argparse reports anything else)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(text)
+    return value
+
+
 def not_a_vault(path: str) -> str:
-    """``path`` itself, unless it is a vault's folder: then a hint to the vault commands.
+    """``path`` itself, unless it is a vault's folder or a sharded checkpoint's index:
+    then a hint to what reads it.
 
     Raises:
-        FormatError: ``path`` is a vault, which the file commands do not read.
+        FormatError: ``path`` is a vault or an index, which the file commands do not read.
     """
+    if path.endswith(".index.json"):
+        raise FormatError(
+            f"{path}: is the index of a checkpoint split into several files; weightvault "
+            "reads one file at a time: name a shard, such as model-00001-of-00002.safetensors"
+        )
     if os.path.isfile(os.path.join(path, "vault.json")):
         raise FormatError(
             f"{path}: is a vault, not a checkpoint file; use 'weightvault vault {path} show' "

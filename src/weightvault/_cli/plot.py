@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+from .._base.errors import BackendNotInstalled
 from .._base.progress import human
 from .._vault.vault import CheckpointRecord, Vault
 
@@ -92,8 +93,12 @@ def plot(vault: Vault, path: str | os.PathLike[str]) -> BytesPlot:
         >>> plot(Vault("runs/ft"), "bytes.png").ratio
         2.79
     """
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise BackendNotInstalled(
+            "plotting a vault needs matplotlib: pip install 'weightvault[plot]'"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator

@@ -21,6 +21,7 @@ from .common import (
     print_json,
     report_diff,
     table,
+    tolerance,
 )
 from .describe import describe, inspection_doc, print_inspection
 from .plot import plot
@@ -83,6 +84,9 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         print_json([asdict(r) for r in records], out)
         return EXIT_OK
+    if not records:
+        out.write(f"{args.root}: no checkpoints yet\n")
+        return EXIT_OK
     rows = [["checkpoint", "created", "logical", "new bytes", "metadata"]]
     for r in records:
         meta = " ".join(f"{k}={_short(v)}" for k, v in r.metadata.items())
@@ -97,10 +101,10 @@ def summary(vault: Vault, records: list[CheckpointRecord]) -> str:
     what the vault takes on disk with its records."""
     separate = sum(r.stored_bytes for r in records)
     held = sum(b.size for b in vault.store.list("objects"))
-    ratio = f"{separate / held:.1f}x smaller" if held and separate > held else "no smaller"
+    ratio = f" ({separate / held:.1f}x smaller)" if held and separate > held else ""
     return (
-        f"tensors {human(held)} in the vault against {human(separate)} as separate files "
-        f"({ratio}); {human(vault.disk_bytes())} on disk with the records"
+        f"tensors {human(held)} in the vault against {human(separate)} as separate files"
+        f"{ratio}; {human(vault.disk_bytes())} on disk with the records"
     )
 
 
@@ -193,7 +197,7 @@ def cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
         out.write(
             f"wrote {drawn.file}: {len(drawn.points)} checkpoints (x axis: {drawn.x}); "
             f"{human(drawn.vault_bytes)} in the vault against {human(drawn.files_bytes)} "
-            f"as separate files ({drawn.ratio:.1f}x smaller)\n"
+            f"as separate files" + (f" ({drawn.ratio:.1f}x smaller)\n" if drawn.ratio > 1 else "\n")
         )
     return EXIT_OK
 
@@ -222,7 +226,7 @@ def register(sub: Subparsers) -> None:
     p = verb("diff", cmd_diff, "Compare two checkpoints name by name; exit 1 if they differ.")
     p.add_argument("a", help="the first checkpoint")
     p.add_argument("b", help="the second checkpoint ('latest' for the newest)")
-    p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
+    p.add_argument("--atol", type=tolerance, default=0.0, help="ignore changes up to this size")
     verb("verify", cmd_verify, "Check every record and every object's hash; exit 1 if damaged.")
     p = verb("gc", cmd_gc, "Delete objects that no checkpoint references; print the bytes freed.")
     p.add_argument(
