@@ -113,6 +113,7 @@ def test_each_exit_code_has_one_meaning_everywhere(capsys):
         ChecksumError,
         FormatError,
         RuleError,
+        VaultBusyError,
         VaultNotFoundError,
     )
     from weightvault._cli.common import EXIT_CODES, exit_code
@@ -126,6 +127,7 @@ def test_each_exit_code_has_one_meaning_everywhere(capsys):
         # A name already taken was read fine: the save is refused, not unreadable.
         CheckpointExistsError("n"): 5,
         CheckpointNameError("n"): 5,
+        VaultBusyError("a gc may still be running"): 5,
         RuleError("r"): 5,
         BackendNotInstalled("pip install h5py"): 6,
         RuntimeError("bug"): 4,

@@ -38,7 +38,7 @@ from .common import (
     report_diff,
     tolerance,
 )
-from .describe import describe, inspection_doc, kind_of, print_inspection
+from .describe import inspection_doc, kind_of, print_inspection, training_state
 
 #: Set to 1 to let an unexpected error show its traceback.
 DEBUG_ENV = "WEIGHTVAULT_DEBUG"
@@ -63,7 +63,7 @@ examples:
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     with opened(not_a_vault(args.file)) as ckpt:
-        info, training = describe(ckpt)
+        info, training = inspect(ckpt), training_state(ckpt)
     if args.json:
         print_json(inspection_doc(info, training), out)
         return EXIT_OK

@@ -19,6 +19,7 @@ from .._base.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     FormatError,
+    VaultBusyError,
     VaultNotFoundError,
     WeightvaultError,
 )
@@ -50,8 +51,9 @@ def exit_code(error: BaseException) -> int:
     """The exit code of a command that raised ``error`` (see :data:`EXIT_CODES`)."""
     if isinstance(error, BackendNotInstalled):
         return EXIT_NOT_INSTALLED
-    # CheckpointExistsError is a FileExistsError, hence an OSError: test it first.
-    if isinstance(error, CheckpointExistsError):
+    # Both are OSErrors (FileExistsError, TimeoutError), yet the vault was read fine and
+    # the request refused: test them before OSError.
+    if isinstance(error, CheckpointExistsError | VaultBusyError):
         return EXIT_REFUSED
     if isinstance(error, FormatError | CheckpointNotFoundError | VaultNotFoundError | OSError):
         return EXIT_UNREADABLE
