@@ -52,11 +52,14 @@ exit codes:
 {EXIT_TABLE}
   verify reports a file that is not a valid checkpoint as damage (1), not as 3.
 
+Every command takes --json and then prints one JSON document on standard output.
+
 examples:
   weightvault inspect model.safetensors
   weightvault inspect model.safetensors --json | jq .aliases
   weightvault verify model.safetensors
   weightvault diff step100.safetensors step200.safetensors
+  weightvault convert model.params model.safetensors --dedupe-copies
   weightvault vault runs/ft log            (see: weightvault vault --help)
 """
 
@@ -105,7 +108,7 @@ def _extensions() -> list[Callable[[Subparsers], None]]:
     """Subcommands that live in their own modules; each registers itself on ``sub``."""
     from . import convert as _cli_convert, vault as _cli_vault
 
-    return [_cli_vault.register, _cli_convert.register]
+    return [_cli_convert.register, _cli_vault.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ EXIT_CODES: dict[int, str] = {
     "the traceback; please report it)",
     EXIT_REFUSED: "refused: the inputs are fine but the request cannot be done as asked "
     "(a checkpoint name taken or invalid, a rule that matches nothing, names that do "
-    "not match)",
+    "not match, a gc that may still be running)",
     EXIT_NOT_INSTALLED: "a package the input needs is not installed (the message gives "
     "the pip command)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",

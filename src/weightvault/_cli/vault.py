@@ -32,7 +32,8 @@ the usual AWS_* environment variables).
 
 examples:
   weightvault vault runs/ft log
-  weightvault vault runs/ft show 000003
+  weightvault vault runs/ft show                 # the newest checkpoint
+  weightvault vault runs/ft show 000003 --json
   weightvault vault runs/ft diff 000002 000003
   weightvault vault runs/ft verify
   weightvault vault runs/ft export latest model.safetensors
@@ -211,7 +212,7 @@ def register(sub: Subparsers) -> None:
         "Inspect and maintain a vault (a checkpoint store that keeps each distinct tensor once).",
         EPILOG,
     )
-    vault.add_argument("root", help="the vault: a folder or an fsspec URL")
+    vault.add_argument("root", metavar="ROOT", help="the vault: a folder or an fsspec URL")
     verbs = vault.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def verb(name: str, func: Any, help: str) -> argparse.ArgumentParser:
