@@ -15,7 +15,6 @@ import sys
 import textwrap
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from typing import Any, TextIO
 
 from .. import __version__
@@ -25,7 +24,6 @@ from .._tools.inspect import diff, inspect, verify
 from ..formats._open import opened
 from .common import (
     EXIT_CODES,
-    EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNEXPECTED,
@@ -34,11 +32,11 @@ from .common import (
     add_command,
     exit_code,
     not_a_vault,
-    print_json,
+    report_check,
     report_diff,
     tolerance,
 )
-from .describe import inspection_doc, kind_of, print_inspection, training_state
+from .describe import kind_of, show, training_state
 
 #: Set to 1 to let an unexpected error show its traceback.
 DEBUG_ENV = "WEIGHTVAULT_DEBUG"
@@ -67,14 +65,9 @@ examples:
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     with opened(not_a_vault(args.file)) as ckpt:
         info, training = inspect(ckpt), training_state(ckpt)
-    if args.json:
-        print_json(inspection_doc(info, training), out)
-        return EXIT_OK
-    out.write(
-        f"{info.path}: {kind_of(info)}, {len(info.names)} names, "
-        f"{len(info.stored) - len(training.tensors)} stored\n\n"
-    )
-    print_inspection(info, training, out)
+    stored = len(info.stored) - len(training.tensors)
+    heading = f"{info.path}: {kind_of(info)}, {len(info.names)} names, {stored} stored"
+    show(info, training, heading, out, as_json=args.json)
     return EXIT_OK
 
 
@@ -88,16 +81,10 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     bar = Progress(total, "verifying")
     report = verify(args.file, progress=bar)
     bar.close()
-    if args.json:
-        print_json(asdict(report), out)
-    elif report.ok:
-        note = "" if report.has_checksums else " (no checksums recorded: structure only)"
-        out.write(f"{report.path}: OK, {report.checked} tensors checked{note}\n")
-    else:
-        out.write(f"{report.path}: DAMAGED\n")
-        for p in report.problems:
-            out.write(f"  {p}\n")
-    return EXIT_OK if report.ok else EXIT_FAILED
+    note = "" if report.has_checksums else " (no checksums recorded: structure only)"
+    return report_check(
+        report, report.path, f"{report.checked} tensors checked{note}", args.json, out
+    )
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
@@ -134,18 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
         "example:\n  weightvault inspect model.safetensors\n"
         "  weightvault inspect model.safetensors --json",
     )
-    p.add_argument("file", help="a weightvault or safetensors file")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p = add(
+    q = add(
         "verify",
         cmd_verify,
         "Check the file's structure and every tensor's checksum; exit 1 naming each "
         "damaged tensor.",
         "example:\n  weightvault verify model.safetensors && echo intact",
     )
-    p.add_argument("file", help="a weightvault or safetensors file")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    for one_file in (p, q):
+        one_file.add_argument("file", help="a weightvault, safetensors or foreign file")
+        one_file.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = add(
         "diff",

@@ -68,6 +68,20 @@ def table(rows: list[list[str]], out: TextIO) -> None:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
+def report_check(report: Any, where: str, summary: str, as_json: bool, out: TextIO) -> int:
+    """Print a verify report (``OK, summary`` or ``DAMAGED`` and each problem, or the
+    report as JSON) and return its exit code."""
+    if as_json:
+        print_json(asdict(report), out)
+    elif report.ok:
+        out.write(f"{where}: OK, {summary}\n")
+    else:
+        out.write(f"{where}: DAMAGED\n")
+        for problem in report.problems:
+            out.write(f"  {problem}\n")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
 def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
     """Print a diff (``-`` removed, ``+`` added, ``~`` changed) and return the exit code."""
     changed = [(n, v) for n, v in d.changed if v is None or v > atol]

@@ -17,7 +17,7 @@ from .._file.checkpoint import Checkpoint
 from .._file.layout import OPTIM_PREFIX, RNG_PREFIX, is_training
 from .._tools.inspect import Inspection, inspect
 from .._vault.dcp_record import DcpCheckpoint
-from .common import table
+from .common import print_json, table
 
 #: How the first line of ``inspect`` names a file a foreign reader decoded.
 FOREIGN_NAMES = {
@@ -157,6 +157,24 @@ def describe(ckpt: Checkpoint) -> tuple[Inspection, TrainingState]:
     return inspect(ckpt), training_state(ckpt)
 
 
+def show(
+    info: Inspection,
+    training: TrainingState,
+    heading: str,
+    out: TextIO,
+    *,
+    as_json: bool,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Print one checkpoint: ``heading`` and the table, or ``extra`` and the inspection
+    as one JSON document."""
+    if as_json:
+        print_json({**(extra or {}), **inspection_doc(info, training)}, out)
+        return
+    out.write(heading + "\n\n")
+    print_inspection(info, training, out)
+
+
 def kind_of(info: Inspection) -> str:
     """How the first line of ``inspect`` names the file's kind."""
     if info.format_version:
@@ -246,5 +264,6 @@ __all__ = [
     "inspection_doc",
     "kind_of",
     "print_inspection",
+    "show",
     "training_state",
 ]

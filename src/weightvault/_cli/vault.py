@@ -14,16 +14,16 @@ from .._tools.inspect import diff
 from .._vault.store import open_store
 from .._vault.vault import CheckpointRecord, Vault
 from .common import (
-    EXIT_FAILED,
     EXIT_OK,
     Subparsers,
     add_command,
     print_json,
+    report_check,
     report_diff,
     table,
     tolerance,
 )
-from .describe import describe, inspection_doc, print_inspection
+from .describe import describe, show
 from .plot import plot
 
 EPILOG = """\
@@ -114,15 +114,11 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     with vault.open(args.name) as ckpt:
         info, training = describe(ckpt)
         record = ckpt.record
-    if args.json:
-        doc = {"record": asdict(record), **inspection_doc(info, training)}
-        print_json(doc, out)
-        return EXIT_OK
-    out.write(
+    heading = (
         f"{record.name}: created {_when(record.created)}, {len(info.names)} names, "
-        f"new bytes {human(record.new_bytes)}\n\n"
+        f"new bytes {human(record.new_bytes)}"
     )
-    print_inspection(info, training, out)
+    show(info, training, heading, out, as_json=args.json, extra={"record": asdict(record)})
     return EXIT_OK
 
 
@@ -140,15 +136,8 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     bar = Progress(vault.disk_bytes(), "verifying")
     report = vault.verify(progress=bar)
     bar.close()
-    if args.json:
-        print_json(asdict(report), out)
-    elif report.ok:
-        out.write(f"{args.root}: OK, {report.checkpoints} checkpoints, {report.objects} objects\n")
-    else:
-        out.write(f"{args.root}: DAMAGED\n")
-        for p in report.problems:
-            out.write(f"  {p}\n")
-    return EXIT_OK if report.ok else EXIT_FAILED
+    summary = f"{report.checkpoints} checkpoints, {report.objects} objects"
+    return report_check(report, args.root, summary, args.json, out)
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
