@@ -217,6 +217,9 @@ def test_every_command_on_a_file_with_optimizer_scheduler_and_rng(trained, tmp_p
     assert {"exp_avg", "exp_avg_sq"} <= set(doc["training"]["slots"])
     assert docs[f"diff {a}"]["changed"]  # b moved every trained tensor
     assert docs[f"verify {a}"]["ok"] is True
+    code, out, _ = cli(capsys, "convert", str(a), str(tmp_path / "again.safetensors"))
+    assert code == 0 and "wrote 4 tensors, 3 stored; 0 copies kept" in out
+    assert "; and 10 tensors of training state\n" in out and "--dedupe-copies" not in out
     # The converted copy keeps the training state, and inspect shows it.
     code, out, _ = cli(capsys, "inspect", str(tmp_path / "converted.safetensors"))
     assert code == 0 and "  optimizer  AdamW" in out

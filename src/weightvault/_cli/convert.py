@@ -15,6 +15,7 @@ from .._base.errors import RuleError
 from .._base.progress import human
 from .._base.reports import SaveReport
 from .._file.checkpoint import Checkpoint
+from .._file.layout import is_training
 from .._load.rules import Rule, check, explain
 from .._tools.convert import convert
 from ..formats._open import opened
@@ -134,23 +135,28 @@ def print_report(
     args: argparse.Namespace, report: SaveReport, renames: Renames, before: int, out: TextIO
 ) -> None:
     """The text summary of a conversion: counts, bytes, and what the rules changed."""
-    names = len(report.stored) + len(report.aliases) + len(report.copies) + len(report.views)
+    every = [*report.stored, *report.aliases, *report.copies, *report.views]
+    state = sum(map(is_training, every))  # optimizer, scheduler and RNG state, kept as is
+    names = len(every) - state
+    stored = len(report.stored) - sum(map(is_training, report.stored))
     verb = "would write" if args.dry_run else "wrote"
     after = report.file_bytes if not args.dry_run else report.stored_bytes
     if args.dedupe_copies:
         copies = f"{len(report.copies)} copies stored once"
     else:
-        copies = f"{len(report.duplicates)} copies kept under their own names"
+        kept = [n for n in report.duplicates if not is_training(n)]
+        copies = f"{len(kept)} copies kept under their own names"
     out.write(
-        f"{args.src} -> {args.dst}: {verb} {names} tensors, {len(report.stored)} stored; "
-        f"{copies}, {len(report.aliases)} aliases, {len(report.views)} views\n"
+        f"{args.src} -> {args.dst}: {verb} {names} tensors, {stored} stored; "
+        f"{copies}, {len(report.aliases)} aliases, {len(report.views)} views"
+        + (f"; and {state} tensors of training state\n" if state else "\n")
     )
     out.write(
         f"bytes before {before} ({human(before)}), after {after} ({human(after)})"
         + (" of tensor data" if args.dry_run else "")
         + f"; deduplication saved {report.bytes_saved} ({human(report.bytes_saved)})\n"
     )
-    if report.duplicates:
+    if any(not is_training(n) for n in report.duplicates):
         extra = report.dedupe_savings
         grew = " (the file is larger than its source)" if after > before else ""
         out.write(f"--dedupe-copies would save {extra} ({human(extra)}) more{grew}\n")
