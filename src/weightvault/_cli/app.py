@@ -1,7 +1,7 @@
 """The ``weightvault`` command line: inspect, verify, diff (and, from other modules,
 convert and vault) checkpoint files.
 
-Exit codes: one meaning each, listed in :data:`._cli_common.EXIT_CODES`, which
+Exit codes: one meaning each, listed in :data:`.common.EXIT_CODES`, which
 ``weightvault --help`` prints and docs/cli.md repeats.
 """
 

@@ -1,7 +1,8 @@
 """What the ``weightvault`` subcommands share: exit codes, tables, and registration.
 
-Its own module so that :mod:`._cli` (the parser and ``main``) and the subcommand modules
-(:mod:`._cli_convert`, :mod:`._cli_vault`) all import it and never each other.
+Its own module so that :mod:`.app` (the parser and ``main``) and the subcommand modules
+(:mod:`.convert`, :mod:`.vault`, with :mod:`.describe` and :mod:`.plot`) all import it,
+and no subcommand module imports :mod:`.app`.
 """
 
 from __future__ import annotations
