@@ -31,7 +31,7 @@ typecheck: $(STAMP)
 
 # pytest exits 5 when it collects no test; that is a failure here, never a pass.
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 test: lint typecheck unit
 

@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 import weightvault
 import weightvault.torch as wv
-from weightvault._cli.vault import plot
+from weightvault._cli.plot import plot
 
 MiB = 2**20
 
@@ -65,37 +65,51 @@ def train_step(model, optimizer, scheduler, batch) -> float:  # type: ignore[no-
     return float(loss.item())
 
 
-def main() -> None:
+class Phases:
+    """Prints each phase as it starts, with the seconds since the demo started."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.started = total, 0, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def start(self, text: str) -> None:
+        self.done += 1
+        print(f"\n[{self.done}/{self.total}] {text}  (at {self.elapsed():.0f} s)", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="training steps")
     parser.add_argument("--every", type=int, default=2, help="save every N steps")
     parser.add_argument("--stop", type=int, default=4, help="simulate a restart after this step")
     parser.add_argument("--vault", default="demo-vault", help="where the vault lives")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT-2, for smoke tests")
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    hf_logging.set_verbosity_error()
+    return parser.parse_args()
 
-    model, optimizer, scheduler, n_head = setup(seed=0, tiny=args.tiny)
-    n_train = sum(p.numel() for p in wv.trainable(model))
-    n_all = sum(p.numel() for p in model.parameters())
-    print(
-        f"GPT-2: {n_all / 1e6:.1f}M parameters; training {n_head} names "
-        f"({n_train / 1e6:.1f}M parameters), the rest frozen"
-    )
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, model.config.vocab_size, (8, 4, 32), generator=generator)
 
-    # The reference: one uninterrupted run, no checkpoints.
-    reference = [train_step(model, optimizer, scheduler, tokens[s % 8]) for s in range(args.steps)]
-    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+def reference_run(
+    args: argparse.Namespace,
+    model: GPT2LMHeadModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    tokens: torch.Tensor,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One uninterrupted run without checkpoints: the losses and parameters to match."""
+    losses = []
+    for s in range(args.steps):
+        losses.append(train_step(model, optimizer, scheduler, tokens[s % 8]))
+        print(f"  step {s + 1:3d}  loss {losses[-1]:.4f}", flush=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    if os.path.exists(args.vault):
-        shutil.rmtree(args.vault)  # a fresh run each time the demo is started
-    vault = weightvault.Vault(args.vault)
+
+def checkpointed_run(
+    args: argparse.Namespace, vault: weightvault.Vault, tokens: torch.Tensor
+) -> tuple[GPT2LMHeadModel, list[float]]:
+    """The same run, saving into ``vault`` in the background and restarting half-way."""
     model, optimizer, scheduler, _ = setup(seed=0, tiny=args.tiny)
-    started = time.perf_counter()
-    save_seconds = 0.0
+    started, save_seconds = time.perf_counter(), 0.0
     losses: list[float] = []
     handle = None
     for step in range(1, args.steps + 1):
@@ -109,9 +123,11 @@ def main() -> None:
             print(
                 f"  -- restarted: resumed {vault.list()[-1].name} into fresh objects; optimizer "
                 f"state for {len(report.optimizer.loaded)} parameters, restored "
-                f"{', '.join(report.restored)}"
+                f"{', '.join(report.restored)}",
+                flush=True,
             )
         losses.append(train_step(model, optimizer, scheduler, tokens[(step - 1) % 8]))
+        note = ""
         if step % args.every == 0:
             t = time.perf_counter()
             meta = {"step": str(step), "loss": f"{losses[-1]:.4f}"}
@@ -122,24 +138,19 @@ def main() -> None:
             )  # fmt: skip
             save_seconds += time.perf_counter() - t
             record = handle.wait() if step == args.steps else None
-            print(
-                f"  step {step:3d}  loss {losses[-1]:.4f}  saving in the background"
-                + (f" (committed {record.name})" if record else "")
-            )
+            note = "  saving in the background" + (f" (committed {record.name})" if record else "")
+        print(f"  step {step:3d}  loss {losses[-1]:.4f}{note}", flush=True)
     assert handle is not None
     handle.wait()
     print(
         f"trained {args.steps} steps in {time.perf_counter() - started:.1f} s "
         f"(of which blocked by saves {save_seconds:.2f} s)"
     )
-    same_params = all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
-    print(
-        f"stopped after step {args.stop} and resumed: losses identical to the uninterrupted "
-        f"run: {losses == reference}; parameters bitwise identical: {same_params}\n"
-    )
-    if losses != reference or not same_params:
-        raise SystemExit("the resumed run differs from the uninterrupted one")
+    return model, losses
 
+
+def print_vault(vault: weightvault.Vault) -> None:
+    """Each checkpoint's cost, and the vault against separate files."""
     records = vault.list()
     rows = [("checkpoint", "step", "logical MiB", "new MiB", "vault MiB", "files MiB")]
     vault_total = files_total = 0
@@ -165,27 +176,75 @@ def main() -> None:
         f"{files_total / MiB:.1f} MiB ({files_total / disk:.1f}x more)"
     )
 
+
+def reload_check(
+    args: argparse.Namespace, vault: weightvault.Vault, model: GPT2LMHeadModel, batch: torch.Tensor
+) -> bool:
+    """Load the last checkpoint into a fresh GPT-2; whether its outputs equal ``model``'s."""
     fresh = build(seed=123, tiny=args.tiny).eval()
     model.eval()  # no dropout, so two identical models give identical outputs
-    batch = tokens[0]
     with torch.no_grad():
         before = fresh(batch).logits
-        expected_logits = model(batch).logits
+        expected = model(batch).logits
     report = vault.load(fresh, "latest", restore_frozen=True)
     with torch.no_grad():
         after = fresh(batch).logits
-    same = torch.equal(after, expected_logits)
+    same = torch.equal(after, expected)
     print(
-        f"reloaded {records[-1].name} into a fresh GPT-2: {len(report.loaded)} names loaded, "
-        f"{len(report.frozen)} frozen again, missing={report.missing}, "
+        f"reloaded {vault.list()[-1].name} into a fresh GPT-2: {len(report.loaded)} names "
+        f"loaded, {len(report.frozen)} frozen again, missing={report.missing}, "
         f"unexpected={report.unexpected}"
     )
     print(
         f"outputs identical to the trained model: {same} "
-        f"(max abs difference before loading {float((before - expected_logits).abs().max()):.3f})"
+        f"(max abs difference before loading {float((before - expected).abs().max()):.3f})"
     )
-    png = plot(vault, os.path.join(args.vault, "bytes.png"))
+    return same
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    hf_logging.set_verbosity_error()
+    phases = Phases(4)
+
+    phases.start("building GPT-2 and running the reference: uninterrupted, no checkpoints")
+    model, optimizer, scheduler, n_head = setup(seed=0, tiny=args.tiny)
+    n_train = sum(p.numel() for p in wv.trainable(model))
+    n_all = sum(p.numel() for p in model.parameters())
+    print(
+        f"GPT-2: {n_all / 1e6:.1f}M parameters; training {n_head} names "
+        f"({n_train / 1e6:.1f}M parameters), the rest frozen",
+        flush=True,
+    )
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (8, 4, 32), generator=generator)
+    reference, expected = reference_run(args, model, optimizer, scheduler, tokens)
+
+    phases.start(
+        f"the same run, saving into {args.vault}/ every {args.every} steps in the "
+        f"background, restarting after step {args.stop}"
+    )
+    if os.path.exists(args.vault):
+        shutil.rmtree(args.vault)  # a fresh run each time the demo is started
+    vault = weightvault.Vault(args.vault)
+    model, losses = checkpointed_run(args, vault, tokens)
+    same_params = all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    print(
+        f"stopped after step {args.stop} and resumed: losses identical to the uninterrupted "
+        f"run: {losses == reference}; parameters bitwise identical: {same_params}"
+    )
+    if losses != reference or not same_params:
+        raise SystemExit("the resumed run differs from the uninterrupted one")
+
+    phases.start("what the vault holds")
+    print_vault(vault)
+
+    phases.start("reloading the last checkpoint into a fresh GPT-2")
+    same = reload_check(args, vault, model, tokens[0])
+    png = plot(vault, os.path.join(args.vault, "bytes.png")).file
     print(f"picture of bytes on disk: {png}")
+    print(f"\ndone in {phases.elapsed():.0f} s")
     if not same:
         raise SystemExit("reloaded outputs differ")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_log_lists_checkpoints_with_their_cost(vault):
     assert lines[0].split()[:4] == ["checkpoint", "created", "logical", "new"]
     assert [line.split()[0] for line in lines[1:4]] == ["000001", "000002", "000003"]
     assert "step=2" in lines[3] and "1.0 KiB" in lines[3]  # only the 4x64 head + bias
-    assert "3 checkpoints; vault on disk" in out
+    assert "3 checkpoints; tensors 19.3 KiB in the vault against 51.8 KiB as separate files" in out
     code, out = run("vault", str(root), "log", "--json")
     doc = json.loads(out)
     assert [r["new_bytes"] for r in doc][1:] == [(4 * 64 + 4) * 4] * 2
@@ -67,7 +68,7 @@ def test_show_diff_verify_export_rm_gc(vault, tmp_path):
     assert torch.equal(fresh[1].weight, model[1].weight)
 
     code, out = run("vault", str(root), "rm", "000001", "000002")
-    assert code == 0 and "run 'gc'" in out
+    assert code == 0 and "'gc' frees the bytes" in out
     code, out = run("vault", str(root), "gc", "--json")
     assert code == 0 and json.loads(out)["freed_bytes"] == 2 * (4 * 64 + 4) * 4
 
@@ -124,3 +125,187 @@ def test_a_refused_request_is_not_an_unreadable_input(vault, capsys):
     # "latest" can never be deleted by name: the vault was read, the request is refused.
     assert run("vault", str(root), "rm", "latest")[0] == 5
     assert "latest" in capsys.readouterr().err
+
+
+# -- every verb, text and --json, on vaults with training state and on DCP records --------
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run the CLI as the shell does: its exit code, standard output and standard error."""
+    capsys.readouterr()
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def verbs(root: Path, tmp: Path) -> list[tuple[list[str], int]]:
+    """Every vault verb, the last two deleting; with the exit code each must give."""
+    out = [
+        (["log"], 0),
+        (["show", "latest"], 0),
+        (["show", "000001"], 0),
+        (["diff", "000001", "000002"], 1),
+        (["diff", "000002", "000002"], 0),
+        (["verify"], 0),
+        (["export", "latest", str(tmp / "exported.safetensors")], 0),
+        (["export", "latest", str(tmp / "small.safetensors"), "--dedupe-copies"], 0),
+        (["gc"], 0),
+    ]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        out.append((["plot", "-o", str(tmp / "bytes.png")], 0))
+    return [(["vault", str(root), *argv], want) for argv, want in out]
+
+
+def run_every_verb(capsys, root: Path, tmp: Path) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Each verb in text and in --json, then rm; the JSON documents, by verb."""
+    docs: dict[str, Any] = {}
+    for argv, want in verbs(root, tmp):
+        code, out, err = cli(capsys, *argv)
+        assert code == want, (argv, out, err)
+        assert out.strip(), argv
+        code, out, err = cli(capsys, *argv, "--json")
+        assert code == want, (argv, out, err)
+        docs[" ".join(argv[2:4])] = json.loads(out)  # exactly one JSON document
+    code, out, _ = cli(capsys, "vault", str(root), "rm", "000001", "--json")
+    assert code == 0 and json.loads(out) == {"deleted": ["000001"]}
+    return docs
+
+
+@pytest.fixture
+def training_vault(tmp_path: Path) -> Path:
+    """Three checkpoints of a half-frozen model with SGD momentum, StepLR and RNG state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    wv.freeze(model, "0")
+    opt = torch.optim.SGD(wv.trainable(model), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    v = weightvault.Vault(tmp_path / "v")
+    for step in (10, 20, 30):
+        model(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        meta = {"step": str(step)}
+        v.save(model, optimizer=opt, scheduler=sched, rng=True, metadata=meta)
+    return tmp_path / "v"
+
+
+def test_every_verb_on_a_vault_with_optimizer_scheduler_and_rng(training_vault, tmp_path, capsys):
+    root = training_vault
+    code, out, _ = cli(capsys, "vault", str(root), "show", "latest")
+    assert code == 0 and "__weightvault__" not in out
+    assert "  optimizer  SGD for 2 parameters (momentum_buffer)\n" in out
+    assert "  scheduler  StepLR\n" in out and "stored (frozen)" in out
+    docs = run_every_verb(capsys, root, tmp_path)
+    show = docs["show latest"]
+    assert show["record"]["name"] == "000003" and show["training"]["optimizer"] == "SGD"
+    assert show["bytes_saved"] == 0 and show["names"] == [
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+    ]
+    assert [r["metadata"]["step"] for r in docs["log"]] == ["10", "20", "30"]
+    assert docs["verify"]["ok"] is True
+    assert docs["export latest"]["bytes"] == (tmp_path / "exported.safetensors").stat().st_size
+    # The exported file keeps the training state; inspect shows it.
+    code, out, _ = cli(capsys, "inspect", str(tmp_path / "exported.safetensors"))
+    assert code == 0 and "  optimizer  SGD" in out
+    if "plot -o" in docs:
+        plot = docs["plot -o"]
+        assert plot["x"] == "step" and [p["step"] for p in plot["points"]] == [10, 20, 30]
+        assert plot["ratio"] > 1 and plot["files_bytes"] > plot["vault_bytes"]
+
+
+@pytest.fixture(scope="module")
+def dcp_vault(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two checkpoints of a tiny tied GPT-2 with AdamW state, by weightvault.dcp in one process."""
+    pytest.importorskip("torch.distributed.checkpoint")
+    import _dcp_workers as W
+    import weightvault.dcp as wdcp
+
+    root = tmp_path_factory.mktemp("dcp") / "v"
+    model = W.gpt2(1)
+    opt = W.optimizer(model)
+    for step in (1, 2):
+        W.train_step(model, opt, step)
+        wdcp.save(model, root, optimizer=opt, metadata={"step": str(step)})
+    return root
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_every_verb_on_a_dcp_record(dcp_vault, tmp_path, capsys):
+    root = tmp_path / "v"
+    import shutil
+
+    shutil.copytree(dcp_vault, root)
+    code, out, _ = cli(capsys, "vault", str(root), "show", "latest")
+    assert code == 0 and "alias of transformer.wte.weight" in out
+    assert "  optimizer  DCP for " in out and "exp_avg_sq" in out
+    docs = run_every_verb(capsys, root, tmp_path)
+    assert docs["show latest"]["training"]["optimizer"] == "DCP"
+    assert docs["diff 000001"]["changed"]
+
+
+READ_ONLY = [
+    ["log"],
+    ["show", "latest"],
+    ["diff", "000001", "000002"],
+    ["verify"],
+    ["export", "latest", "out.safetensors"],
+    ["plot", "-o", "out.png"],
+    ["gc"],
+    ["rm", "000001"],
+]
+
+
+@pytest.mark.parametrize("argv", READ_ONLY, ids=lambda a: a[0])
+def test_no_verb_creates_a_vault_where_there_is_none(argv, tmp_path, capsys, monkeypatch):
+    """A mistyped path exits 3, naming it, and creates nothing, not even the folder."""
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "no" / "such" / "dir"
+    code, out, err = cli(capsys, "vault", str(missing), *argv)
+    assert code == 3 and out == ""
+    assert err == (
+        f"weightvault vault {argv[0]}: {missing}: no vault here (no vault.json); check the "
+        "path, or create a vault by saving into it: weightvault.Vault(path).save(model)\n"
+    )
+    assert not (tmp_path / "no").exists() and sorted(tmp_path.iterdir()) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(capsys, "vault", str(empty), *argv)[0] == 3
+    assert list(empty.iterdir()) == []
+    assert cli(capsys, "vault", "file://" + str(empty), *argv)[0] == 3
+    assert list(empty.iterdir()) == []
+
+
+def test_plot_uses_checkpoint_names_without_steps(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    v = weightvault.Vault(tmp_path / "v")
+    v.save({"w": torch.ones(64)}, "warmup")
+    v.save({"w": torch.ones(64), "b": torch.zeros(4)}, "final")
+    code, out, _ = cli(
+        capsys, "vault", str(tmp_path / "v"), "plot", "-o", str(tmp_path / "p.png"), "--json"
+    )
+    doc = json.loads(out)
+    assert code == 0 and doc["x"] == "checkpoint"
+    assert [p["name"] for p in doc["points"]] == ["warmup", "final"]
+    assert [p["step"] for p in doc["points"]] == [None, None]
+    assert doc["files_bytes"] == 64 * 4 * 2 + 16 and doc["vault_bytes"] == 64 * 4 + 16
+
+
+def test_an_empty_vault_and_a_missing_matplotlib(tmp_path, capsys, monkeypatch):
+    root = tmp_path / "v"
+    v = weightvault.Vault(root)
+    v.save({"w": torch.ones(2)})
+    v.delete("000001")
+    code, out, _ = cli(capsys, "vault", str(root), "log")
+    assert code == 0 and out == f"{root}: no checkpoints yet\n"
+    assert json.loads(cli(capsys, "vault", str(root), "log", "--json")[1]) == []
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    code, out, err = cli(capsys, "vault", str(root), "plot", "-o", str(tmp_path / "p.png"))
+    assert code == 6 and "pip install 'weightvault[plot]'" in err

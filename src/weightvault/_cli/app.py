@@ -1,7 +1,7 @@
 """The ``weightvault`` command line: inspect, verify, diff (and, from other modules,
 convert and vault) checkpoint files.
 
-Exit codes: one meaning each, listed in :data:`._cli_common.EXIT_CODES`, which
+Exit codes: one meaning each, listed in :data:`.common.EXIT_CODES`, which
 ``weightvault --help`` prints and docs/cli.md repeats.
 """
 
@@ -10,22 +10,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import sys
 import textwrap
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from typing import Any, TextIO
 
 from .. import __version__
 from .._base.errors import FormatError, WeightvaultError
 from .._base.progress import Progress
 from .._tools.inspect import diff, inspect, verify
+from ..formats._open import opened
 from .common import (
     EXIT_CODES,
-    EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNEXPECTED,
@@ -33,9 +31,12 @@ from .common import (
     Subparsers,
     add_command,
     exit_code,
-    print_inspection,
+    not_a_vault,
+    report_check,
     report_diff,
+    tolerance,
 )
+from .describe import kind_of, show, training_state
 
 #: Set to 1 to let an unexpected error show its traceback.
 DEBUG_ENV = "WEIGHTVAULT_DEBUG"
@@ -49,37 +50,29 @@ exit codes:
 {EXIT_TABLE}
   verify reports a file that is not a valid checkpoint as damage (1), not as 3.
 
+Every command takes --json and then prints one JSON document on standard output.
+
 examples:
   weightvault inspect model.safetensors
   weightvault inspect model.safetensors --json | jq .aliases
   weightvault verify model.safetensors
   weightvault diff step100.safetensors step200.safetensors
+  weightvault convert model.params model.safetensors --dedupe-copies
   weightvault vault runs/ft log            (see: weightvault vault --help)
 """
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    info = inspect(args.file)
-    if args.json:
-        doc = asdict(info)
-        doc["bytes_saved"] = info.bytes_saved
-        doc["dedupe_savings"] = info.dedupe_savings
-        json.dump(doc, out, indent=2)
-        out.write("\n")
-        return EXIT_OK
-    if info.format_version:
-        kind = f"weightvault v{info.format_version}"
-    elif info.container == "safetensors":
-        kind = "plain safetensors"
-    else:
-        kind = f"{info.container} file, read without its framework"
-    out.write(f"{info.path}: {kind}, {len(info.names)} names, {len(info.stored)} stored\n\n")
-    print_inspection(info, out)
+    with opened(not_a_vault(args.file)) as ckpt:
+        info, training = inspect(ckpt), training_state(ckpt)
+    stored = len(info.stored) - len(training.tensors)
+    heading = f"{info.path}: {kind_of(info)}, {len(info.names)} names, {stored} stored"
+    show(info, training, heading, out, as_json=args.json)
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
-    with open(args.file, "rb"):
+    with open(not_a_vault(args.file), "rb"):
         pass  # an unreadable path is exit 3, not "damaged"
     try:
         total = inspect(args.file).stored_bytes
@@ -88,28 +81,21 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     bar = Progress(total, "verifying")
     report = verify(args.file, progress=bar)
     bar.close()
-    if args.json:
-        json.dump(asdict(report), out, indent=2)
-        out.write("\n")
-    elif report.ok:
-        note = "" if report.has_checksums else " (no checksums recorded: structure only)"
-        out.write(f"{report.path}: OK, {report.checked} tensors checked{note}\n")
-    else:
-        out.write(f"{report.path}: DAMAGED\n")
-        for p in report.problems:
-            out.write(f"  {p}\n")
-    return EXIT_OK if report.ok else EXIT_FAILED
+    note = "" if report.has_checksums else " (no checksums recorded: structure only)"
+    return report_check(
+        report, report.path, f"{report.checked} tensors checked{note}", args.json, out
+    )
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
-    return report_diff(diff(args.a, args.b), args.atol, args.json, out)
+    return report_diff(diff(not_a_vault(args.a), not_a_vault(args.b)), args.atol, args.json, out)
 
 
 def _extensions() -> list[Callable[[Subparsers], None]]:
     """Subcommands that live in their own modules; each registers itself on ``sub``."""
     from . import convert as _cli_convert, vault as _cli_vault
 
-    return [_cli_vault.register, _cli_convert.register]
+    return [_cli_convert.register, _cli_vault.register]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,18 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
         "example:\n  weightvault inspect model.safetensors\n"
         "  weightvault inspect model.safetensors --json",
     )
-    p.add_argument("file", help="a weightvault or safetensors file")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p = add(
+    q = add(
         "verify",
         cmd_verify,
         "Check the file's structure and every tensor's checksum; exit 1 naming each "
         "damaged tensor.",
         "example:\n  weightvault verify model.safetensors && echo intact",
     )
-    p.add_argument("file", help="a weightvault or safetensors file")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    for one_file in (p, q):
+        one_file.add_argument("file", help="a weightvault, safetensors or foreign file")
+        one_file.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = add(
         "diff",
@@ -157,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", help="the first file")
     p.add_argument("b", help="the second file")
-    p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
+    p.add_argument("--atol", type=tolerance, default=0.0, help="ignore changes up to this size")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     for register in _extensions():
         register(sub)
@@ -172,6 +156,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0) and EXIT_USAGE
+    # Errors name the whole command, as in "weightvault vault log: ...".
+    command = " ".join(filter(None, [args.command, getattr(args, "verb", None)]))
     try:
         result: Any = args.func(args, out)
         return int(result)
@@ -181,10 +167,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         return EXIT_OK
     except (WeightvaultError, OSError) as e:
-        _error(args.command, str(e))
+        _error(command, as_given(str(e), args))
         return exit_code(e)
     except KeyboardInterrupt:
-        _error(args.command, "interrupted")
+        _error(command, "interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:
         # Hostile input must not end in a traceback: one line, a documented code, and
@@ -193,11 +179,19 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             traceback.print_exc()
         detail = " ".join(str(e)[:300].split())
         _error(
-            args.command,
+            command,
             f"unexpected {type(e).__name__}: {detail} (set {DEBUG_ENV}=1 to see the "
             "traceback, and please report it)",
         )
         return EXIT_UNEXPECTED
+
+
+def as_given(message: str, args: argparse.Namespace) -> str:
+    """``message`` with a local vault's absolute path written as the user typed it."""
+    root = getattr(args, "root", None)
+    if not isinstance(root, str) or "://" in root:
+        return message
+    return message.replace(os.path.abspath(root), root)
 
 
 def _printable(stream: TextIO) -> TextIO:

@@ -1,13 +1,16 @@
 """What the ``weightvault`` subcommands share: exit codes, tables, and registration.
 
-Its own module so that :mod:`._cli` (the parser and ``main``) and the subcommand modules
-(:mod:`._cli_convert`, :mod:`._cli_vault`) all import it and never each other.
+Its own module so that :mod:`.app` (the parser and ``main``) and the subcommand modules
+(:mod:`.convert`, :mod:`.vault`, with :mod:`.describe` and :mod:`.plot`) all import it,
+and no subcommand module imports :mod:`.app`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TextIO
@@ -17,10 +20,11 @@ from .._base.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     FormatError,
+    VaultBusyError,
+    VaultNotFoundError,
     WeightvaultError,
 )
-from .._base.progress import human
-from .._tools.inspect import DiffReport, Inspection
+from .._tools.inspect import DiffReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREADABLE, EXIT_UNEXPECTED = 0, 1, 2, 3, 4
 EXIT_REFUSED, EXIT_NOT_INSTALLED = 5, 6
@@ -32,12 +36,12 @@ EXIT_CODES: dict[int, str] = {
     EXIT_FAILED: "a check failed (verify found damage, diff found differences)",
     EXIT_USAGE: "usage error (unknown command, missing or malformed arguments)",
     EXIT_UNREADABLE: "an input could not be read (missing or unreadable file, not a "
-    "valid checkpoint, no vault checkpoint of that name)",
+    "valid checkpoint, no vault at that path, no vault checkpoint of that name)",
     EXIT_UNEXPECTED: "unexpected error, reported in one line (WEIGHTVAULT_DEBUG=1 shows "
     "the traceback; please report it)",
     EXIT_REFUSED: "refused: the inputs are fine but the request cannot be done as asked "
     "(a checkpoint name taken or invalid, a rule that matches nothing, names that do "
-    "not match)",
+    "not match, a gc that may still be running)",
     EXIT_NOT_INSTALLED: "a package the input needs is not installed (the message gives "
     "the pip command)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
@@ -48,60 +52,35 @@ def exit_code(error: BaseException) -> int:
     """The exit code of a command that raised ``error`` (see :data:`EXIT_CODES`)."""
     if isinstance(error, BackendNotInstalled):
         return EXIT_NOT_INSTALLED
-    # CheckpointExistsError is a FileExistsError, hence an OSError: test it first.
-    if isinstance(error, CheckpointExistsError):
+    # Both are OSErrors (FileExistsError, TimeoutError), yet the vault was read fine and
+    # the request refused: test them before OSError.
+    if isinstance(error, CheckpointExistsError | VaultBusyError):
         return EXIT_REFUSED
-    if isinstance(error, FormatError | CheckpointNotFoundError | OSError):
+    if isinstance(error, FormatError | CheckpointNotFoundError | VaultNotFoundError | OSError):
         return EXIT_UNREADABLE
     if isinstance(error, WeightvaultError):
         return EXIT_REFUSED
     return EXIT_UNEXPECTED
 
 
-_size = human
-
-
-def _table(rows: list[list[str]], out: TextIO) -> None:
+def table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
-def print_inspection(info: Inspection, out: TextIO) -> None:
-    """The table of names grouped by the tensor they share, and the totals."""
-    rows = [["name", "dtype", "shape", "size", "held as"]]
-    members: dict[str, list[str]] = {}
-    for name, rec in info.tensors.items():
-        if rec.kind != "stored":
-            members.setdefault(rec.stored, []).append(name)
-    for name in info.stored:
-        t = info.tensors.get(name)
-        if t is None:  # storage that several views share, not itself a model name
-            size = _size(info.shared_storage[name])
-            rows.append([name, "U8", "", size, "storage shared by views"])
-        else:
-            flag = " (frozen)" if name in info.frozen else ""
-            if name in info.duplicates:
-                flag += f", equal to {info.duplicates[name]}"
-            rows.append([name, t.dtype, str(list(t.shape)), _size(t.nbytes), "stored" + flag])
-        for other in members.get(name, []):
-            o = info.tensors[other]
-            how = {"alias": "alias of", "copy": "copy of", "view": "view of"}[o.kind]
-            rows.append([f"  {other}", o.dtype, str(list(o.shape)), "0 B", f"{how} {name}"])
-    _table(rows, out)
-    out.write(
-        f"\nlogical {_size(info.logical_bytes)}, stored {_size(info.stored_bytes)}, "
-        f"saved by deduplication {_size(info.bytes_saved)}; "
-        f"{len(info.aliases)} aliases, {len(info.copies)} copies, {len(info.views)} views, "
-        f"{len(info.frozen)} frozen\n"
-    )
-    if info.duplicates:
-        out.write(
-            f"{len(info.duplicates)} copies are stored under their own names for plain "
-            f"readers; dedupe_copies=True would save {_size(info.dedupe_savings)} more\n"
-        )
-    if info.metadata:
-        out.write(f"metadata: {json.dumps(info.metadata)}\n")
+def report_check(report: Any, where: str, summary: str, as_json: bool, out: TextIO) -> int:
+    """Print a verify report (``OK, summary`` or ``DAMAGED`` and each problem, or the
+    report as JSON) and return its exit code."""
+    if as_json:
+        print_json(asdict(report), out)
+    elif report.ok:
+        out.write(f"{where}: OK, {summary}\n")
+    else:
+        out.write(f"{where}: DAMAGED\n")
+        for problem in report.problems:
+            out.write(f"  {problem}\n")
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
@@ -111,8 +90,9 @@ def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
     if as_json:
         doc = asdict(d)
         doc["changed"] = changed
-        json.dump(doc, out, indent=2)
-        out.write("\n")
+        doc["atol"] = atol
+        doc["within_atol"] = [(n, v) for n, v in d.changed if (n, v) not in changed]
+        print_json(doc, out)
     else:
         for n in d.removed:
             out.write(f"- {n}\n")
@@ -127,6 +107,40 @@ def report_diff(d: DiffReport, atol: float, as_json: bool, out: TextIO) -> int:
             f"{len(changed)} changed, {within} within --atol, {d.same} identical\n"
         )
     return EXIT_FAILED if (d.removed or d.added or d.reshaped or changed) else EXIT_OK
+
+
+def tolerance(text: str) -> float:
+    """``--atol``: a finite number, zero or more (argparse reports anything else)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(text)
+    return value
+
+
+def not_a_vault(path: str) -> str:
+    """``path`` itself, unless it is a vault's folder or a sharded checkpoint's index:
+    then a hint to what reads it.
+
+    Raises:
+        FormatError: ``path`` is a vault or an index, which the file commands do not read.
+    """
+    if path.endswith(".index.json"):
+        raise FormatError(
+            f"{path}: is the index of a checkpoint split into several files; weightvault "
+            "reads one file at a time: name a shard, such as model-00001-of-00002.safetensors"
+        )
+    if os.path.isfile(os.path.join(path, "vault.json")):
+        raise FormatError(
+            f"{path}: is a vault, not a checkpoint file; use 'weightvault vault {path} show' "
+            "(or log, diff, export)"
+        )
+    return path
+
+
+def print_json(doc: object, out: TextIO) -> None:
+    """Print ``doc`` as the one JSON document a ``--json`` command writes."""
+    json.dump(doc, out, indent=2)
+    out.write("\n")
 
 
 Subparsers = Any  # argparse's _SubParsersAction, which is private

@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
-from .._tools.inspect import diff, inspect
-from .._vault.vault import Vault
+from .._tools.inspect import diff
+from .._vault.store import open_store
+from .._vault.vault import CheckpointRecord, Vault
 from .common import (
-    EXIT_FAILED,
     EXIT_OK,
     Subparsers,
-    _table,
     add_command,
-    print_inspection,
+    print_json,
+    report_check,
     report_diff,
+    table,
+    tolerance,
 )
+from .describe import describe, show
+from .plot import plot
 
 EPILOG = """\
 ROOT is a folder or an fsspec URL (s3://bucket/run1; credentials and endpoint come from
@@ -28,7 +32,8 @@ the usual AWS_* environment variables).
 
 examples:
   weightvault vault runs/ft log
-  weightvault vault runs/ft show 000003
+  weightvault vault runs/ft show                 # the newest checkpoint
+  weightvault vault runs/ft show 000003 --json
   weightvault vault runs/ft diff 000002 000003
   weightvault vault runs/ft verify
   weightvault vault runs/ft export latest model.safetensors
@@ -38,11 +43,39 @@ examples:
 """
 
 
+#: Metadata values longer than this are cut in ``log``'s table (``--json`` has them whole).
+META_CHARS = 40
+
+
+def _short(value: str) -> str:
+    """``value`` on one line, cut to :data:`META_CHARS` characters."""
+    flat = " ".join(value.split())
+    return flat if len(flat) <= META_CHARS else flat[: META_CHARS - 3] + "..."
+
+
 def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def holds_vault(root: str) -> bool:
+    """Whether ``root`` (a folder or an fsspec URL) holds a vault, checked without
+    creating anything: a mistyped path must not become an empty vault."""
+    if "://" not in root or root.startswith("file://"):
+        return os.path.isfile(os.path.join(root.removeprefix("file://"), "vault.json"))
+    return open_store(root).exists("vault.json")
+
+
 def _vault(args: argparse.Namespace) -> Vault:
+    """The vault at ``args.root``; every verb reads an existing vault, none creates one.
+
+    Raises:
+        VaultNotFoundError: ``args.root`` holds no vault (exit code 3).
+    """
+    if not holds_vault(args.root):
+        raise VaultNotFoundError(
+            f"{args.root}: no vault here (no vault.json); check the path, or create a vault "
+            "by saving into it: weightvault.Vault(path).save(model)"
+        )
     return Vault(args.root)
 
 
@@ -50,46 +83,52 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     records = vault.list()
     if args.json:
-        json.dump([asdict(r) for r in records], out, indent=2)
-        out.write("\n")
+        print_json([asdict(r) for r in records], out)
+        return EXIT_OK
+    if not records:
+        out.write(f"{args.root}: no checkpoints yet\n")
         return EXIT_OK
     rows = [["checkpoint", "created", "logical", "new bytes", "metadata"]]
     for r in records:
-        meta = " ".join(f"{k}={v}" for k, v in r.metadata.items())
+        meta = " ".join(f"{k}={_short(v)}" for k, v in r.metadata.items())
         rows.append([r.name, _when(r.created), human(r.logical_bytes), human(r.new_bytes), meta])
-    _table(rows, out)
-    separate = sum(r.stored_bytes for r in records)
-    disk = vault.disk_bytes()
-    ratio = f" ({separate / disk:.1f}x smaller)" if disk else ""
-    out.write(
-        f"\n{len(records)} checkpoints; vault on disk {human(disk)}, as separate files "
-        f"{human(separate)}{ratio}\n"
-    )
+    table(rows, out)
+    out.write(f"\n{len(records)} checkpoints; {summary(vault, records)}\n")
     return EXIT_OK
+
+
+def summary(vault: Vault, records: list[CheckpointRecord]) -> str:
+    """Tensor bytes in the vault against the same checkpoints as separate files, and
+    what the vault takes on disk with its records."""
+    separate = sum(r.stored_bytes for r in records)
+    held = sum(b.size for b in vault.store.list("objects"))
+    ratio = f" ({separate / held:.1f}x smaller)" if held and separate > held else ""
+    return (
+        f"tensors {human(held)} in the vault against {human(separate)} as separate files"
+        f"{ratio}; {human(vault.disk_bytes())} on disk with the records"
+    )
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     with vault.open(args.name) as ckpt:
-        info = inspect(ckpt)
+        info, training = describe(ckpt)
         record = ckpt.record
-    if args.json:
-        doc: dict[str, Any] = {"record": asdict(record), "tensors": asdict(info)["tensors"]}
-        json.dump(doc, out, indent=2)
-        out.write("\n")
-        return EXIT_OK
-    out.write(
+    heading = (
         f"{record.name}: created {_when(record.created)}, {len(info.names)} names, "
-        f"new bytes {human(record.new_bytes)}\n\n"
+        f"new bytes {human(record.new_bytes)}"
     )
-    print_inspection(info, out)
+    show(info, training, heading, out, as_json=args.json, extra={"record": asdict(record)})
     return EXIT_OK
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     with vault.open(args.a) as a, vault.open(args.b) as b:
-        return report_diff(diff(a, b), args.atol, args.json, out)
+        report = diff(a, b)
+        # The checkpoints by name ('latest' resolved), not by their records' paths.
+        report.a, report.b = a.record.name, b.record.name
+        return report_diff(report, args.atol, args.json, out)
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -97,16 +136,8 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     bar = Progress(vault.disk_bytes(), "verifying")
     report = vault.verify(progress=bar)
     bar.close()
-    if args.json:
-        json.dump(asdict(report), out, indent=2)
-        out.write("\n")
-    elif report.ok:
-        out.write(f"{vault.url}: OK, {report.checkpoints} checkpoints, {report.objects} objects\n")
-    else:
-        out.write(f"{vault.url}: DAMAGED\n")
-        for p in report.problems:
-            out.write(f"  {p}\n")
-    return EXIT_OK if report.ok else EXIT_FAILED
+    summary = f"{report.checkpoints} checkpoints, {report.objects} objects"
+    return report_check(report, args.root, summary, args.json, out)
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
@@ -116,8 +147,7 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     freed = vault.gc()
     if args.json:
         doc = {"freed_bytes": freed, "disk_bytes": before - freed}
-        json.dump({**doc, "broken_locks": broken} if args.break_lock else doc, out)
-        out.write("\n")
+        print_json({**doc, "broken_locks": broken} if args.break_lock else doc, out)
     else:
         for key in broken:
             out.write(f"removed {key}, the marker of a gc that died\n")
@@ -129,8 +159,7 @@ def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     size = vault.export(args.name, args.file, dedupe_copies=args.dedupe_copies)
     if args.json:
-        json.dump({"file": args.file, "bytes": size}, out)
-        out.write("\n")
+        print_json({"file": args.file, "bytes": size}, out)
     else:
         out.write(f"wrote {args.file} ({human(size)}), a standalone safetensors file\n")
     return EXIT_OK
@@ -141,50 +170,26 @@ def cmd_rm(args: argparse.Namespace, out: TextIO) -> int:
     for name in args.names:
         vault.delete(name)
     if args.json:
-        json.dump({"deleted": args.names}, out)
-        out.write("\n")
+        print_json({"deleted": args.names}, out)
     else:
-        out.write(f"deleted {', '.join(args.names)}; run 'gc' to free their bytes\n")
+        out.write(
+            f"deleted {', '.join(args.names)}; 'gc' frees the bytes no other checkpoint shares\n"
+        )
     return EXIT_OK
 
 
 def cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
-    path = plot(vault, args.output)
-    out.write(f"wrote {path}\n")
+    drawn = plot(vault, args.output)
+    if args.json:
+        print_json(drawn.as_dict(), out)
+    else:
+        out.write(
+            f"wrote {drawn.file}: {len(drawn.points)} checkpoints (x axis: {drawn.x}); "
+            f"{human(drawn.vault_bytes)} in the vault against {human(drawn.files_bytes)} "
+            f"as separate files" + (f" ({drawn.ratio:.1f}x smaller)\n" if drawn.ratio > 1 else "\n")
+        )
     return EXIT_OK
-
-
-def plot(vault: Vault, path: str | os.PathLike[str]) -> str:
-    """Draw cumulative bytes on disk per checkpoint, vault versus separate files, as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = vault.list()
-    xs = list(range(1, len(records) + 1))
-    vault_total, files_total = [], []
-    v = f = 0
-    for r in records:
-        v += r.new_bytes
-        f += r.stored_bytes
-        vault_total.append(v / 2**20)
-        files_total.append(f / 2**20)
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(xs, files_total, marker="o", label="separate safetensors files")
-    ax.plot(xs, vault_total, marker="o", label="weightvault vault")
-    ax.set_xlabel("checkpoint")
-    ax.set_ylabel("cumulative MiB on disk")
-    ax.set_title(f"{os.path.basename(vault.url.rstrip('/')) or vault.url}: bytes on disk")
-    ax.set_xticks(xs, [r.name for r in records], rotation=45, ha="right", fontsize=8)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return os.fspath(path)
 
 
 def register(sub: Subparsers) -> None:
@@ -196,7 +201,7 @@ def register(sub: Subparsers) -> None:
         "Inspect and maintain a vault (a checkpoint store that keeps each distinct tensor once).",
         EPILOG,
     )
-    vault.add_argument("root", help="the vault: a folder or an fsspec URL")
+    vault.add_argument("root", metavar="ROOT", help="the vault: a folder or an fsspec URL")
     verbs = vault.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def verb(name: str, func: Any, help: str) -> argparse.ArgumentParser:
@@ -206,12 +211,12 @@ def register(sub: Subparsers) -> None:
         return p
 
     verb("log", cmd_log, "List checkpoints, oldest first, with what each one cost.")
-    p = verb("show", cmd_show, "List the tensors of one checkpoint ('latest' for the newest).")
-    p.add_argument("name")
+    p = verb("show", cmd_show, "List the tensors of one checkpoint (by default the newest).")
+    p.add_argument("name", nargs="?", default="latest", help="a checkpoint, or 'latest'")
     p = verb("diff", cmd_diff, "Compare two checkpoints name by name; exit 1 if they differ.")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--atol", type=float, default=0.0, help="ignore changes up to this size")
+    p.add_argument("a", help="the first checkpoint")
+    p.add_argument("b", help="the second checkpoint ('latest' for the newest)")
+    p.add_argument("--atol", type=tolerance, default=0.0, help="ignore changes up to this size")
     verb("verify", cmd_verify, "Check every record and every object's hash; exit 1 if damaged.")
     p = verb("gc", cmd_gc, "Delete objects that no checkpoint references; print the bytes freed.")
     p.add_argument(
@@ -220,8 +225,8 @@ def register(sub: Subparsers) -> None:
         help="first remove the markers of gcs that died (refused while one may be running)",
     )
     p = verb("export", cmd_export, "Write one checkpoint as a standalone safetensors file.")
-    p.add_argument("name")
-    p.add_argument("file")
+    p.add_argument("name", help="the checkpoint, or 'latest'")
+    p.add_argument("file", help="the safetensors file to write")
     p.add_argument(
         "--dedupe-copies",
         action="store_true",
@@ -229,6 +234,6 @@ def register(sub: Subparsers) -> None:
         "readers then miss the copies' names)",
     )
     p = verb("rm", cmd_rm, "Delete checkpoints (their bytes are freed by the next gc).")
-    p.add_argument("names", nargs="+")
+    p.add_argument("names", nargs="+", help="checkpoints to delete ('latest' is refused)")
     p = verb("plot", cmd_plot, "Draw cumulative bytes on disk: vault versus separate files.")
     p.add_argument("-o", "--output", default="vault-bytes.png", help="PNG file to write")

@@ -77,7 +77,9 @@ class Inspection:
     @property
     def dedupe_savings(self) -> int:
         """Tensor bytes that saving with ``dedupe_copies=True`` would leave out."""
-        return sum(self.tensors[n].nbytes for n in self.duplicates)
+        # Training state (optimizer slots such as AdamW's equal "step" scalars) can be
+        # duplicates too; it is no model name, so it has no record here.
+        return sum(self.tensors[n].nbytes for n in self.duplicates if n in self.tensors)
 
 
 def _inspection(ckpt: Checkpoint) -> Inspection:
