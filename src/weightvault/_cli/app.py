@@ -21,7 +21,7 @@ from .. import __version__
 from .._base.errors import FormatError, WeightvaultError
 from .._base.progress import Progress
 from .._tools.inspect import diff, inspect, verify
-from ..formats._open import opened
+from ..formats._registry import opened
 from .common import (
     EXIT_CODES,
     EXIT_INTERRUPTED,

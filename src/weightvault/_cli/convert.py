@@ -18,7 +18,7 @@ from .._file.checkpoint import Checkpoint
 from .._file.layout import is_training
 from .._load.rules import Rule, check, explain
 from .._tools.convert import convert
-from ..formats._open import opened
+from ..formats._registry import opened
 from .common import EXIT_OK, EXIT_USAGE, Subparsers, add_command, not_a_vault, print_json
 
 #: How many renames the text output lists before it says how many more there are.

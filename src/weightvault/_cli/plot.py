@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 from .._base.errors import BackendNotInstalled
 from .._base.progress import human
-from .._vault.vault import CheckpointRecord, Vault
+from .._vault.records import CheckpointRecord
+from .._vault.vault import Vault
 
 #: Metadata keys that hold a checkpoint's training step, tried in this order.
 STEP_KEYS = ("step", "global_step", "keras.step")

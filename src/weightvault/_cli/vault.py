@@ -11,8 +11,9 @@ from typing import Any, TextIO
 from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
+from .._vault.records import CheckpointRecord
 from .._vault.store import open_store
-from .._vault.vault import CheckpointRecord, Vault
+from .._vault.vault import Vault
 from .common import (
     EXIT_OK,
     Subparsers,
