@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
@@ -32,7 +33,7 @@ from ._base.types import PathLike
 from ._file.checkpoint import CheckpointSource
 from ._file.sharing import Source
 from ._load import rules as _rules
-from ._load.plan import LoadOptions, RulesArg, plan_load
+from ._load.plan import LoadOptions, RulesArg, Target, plan_load
 from ._load.steps import save_file, values_by_group
 from ._load.transforms import Transforms
 from ._torch import assign as _assign, state as _torch_state
@@ -43,6 +44,7 @@ from ._torch.tensors import (
     entry_tensor,
     stored_tensor,
 )
+from ._torch.wrappers import prefix_rules, unwrap
 from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
@@ -262,8 +264,10 @@ def _load(
     scheduler: Any,
     rng: bool,
 ) -> LoadReport:
+    model = unwrap(model)
     targets, tensors = _assign.targets(model)
     with opened(path) as ckpt:
+        options = _accept_wrapped(ckpt.names, targets, options)
         lp = plan_load(ckpt, targets, options, type(model).__name__)
         # Training state is read and checked before the first weight is copied too.
         prepared = _torch_state.prepare(
@@ -279,6 +283,15 @@ def _load(
         lp.report_frozen()
     prepared.apply(lp.report)
     return lp.report
+
+
+def _accept_wrapped(disk: list[str], targets: list[Target], options: LoadOptions) -> LoadOptions:
+    """``options`` whose rules also strip the wrapper prefixes of a file saved before
+    weightvault unwrapped models (``_orig_mod.``, ``module.``), if the model lacks them."""
+    if options.rules == "auto":
+        return options
+    rules = prefix_rules(disk, (t.name for t in targets), _rules.check(options.rules))
+    return dataclasses.replace(options, rules=rules)
 
 
 def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
