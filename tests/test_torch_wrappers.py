@@ -131,6 +131,10 @@ def test_a_file_saved_with_wrapper_prefixes_loads(tmp_path: Path, prefix: str) -
         # The report says which names lost their prefix.
         assert sorted(report.renamed) == sorted((prefix + k, k) for k in source.state_dict())
         assert_bitwise(target, source)
+    # rules="auto" pairs them as well: the names differ only by a prefix they all share.
+    target = gpt2(seed=4)
+    assert wv.load(target, path, rules="auto").ok
+    assert_bitwise(target, source)
 
 
 def test_a_prefix_the_model_has_itself_is_kept(tmp_path: Path) -> None:

@@ -89,6 +89,8 @@ def save(
     """Save a module or a dict of tensors, storing every tied tensor once.
 
     Names are ``state_dict`` names, aliases included; non-persistent buffers are left out.
+    A model wrapped in ``torch.compile``, DDP or ``nn.DataParallel`` is saved under the
+    names the model inside has, without ``_orig_mod.`` or ``module.``.
     Tied names become aliases (``{alias: kept}`` metadata, which plain safetensors readers
     honour); partial views of one storage are stored once and come back as views. Copies
     (separate tensors with equal bytes) are stored under every name by default, so plain
@@ -215,7 +217,10 @@ def load(
     the first byte is copied, so a load that raises leaves the model exactly as it was.
 
     Args:
-        model: The module to fill. Its own ties are kept.
+        model: The module to fill. Its own ties are kept. A ``torch.compile``, DDP or
+            ``nn.DataParallel`` wrapper is seen through; a wrapper's prefix (``_orig_mod.``,
+            ``module.``) that the model's names lack is stripped from the names on disk,
+            and ``report.renamed`` says so.
         path: A weightvault file, any safetensors file (``{alias: kept}`` metadata is
             honoured), a foreign format weightvault reads, or an open checkpoint.
         strict: Raise on missing, unexpected or mismatched names (else only report them).
@@ -245,7 +250,7 @@ def load(
         ChecksumError: ``verify`` and a tensor's bytes are damaged.
 
     Example:
-        >>> load(model, "ckpt.safetensors", rules=[("_orig_mod.*", "*")]).missing
+        >>> load(torch.compile(model), "ckpt.safetensors", rules=[("h.*", "blocks.*")]).missing
         []
     """
     options = LoadOptions(
@@ -287,7 +292,11 @@ def _load(
 
 def _accept_wrapped(disk: list[str], targets: list[Target], options: LoadOptions) -> LoadOptions:
     """``options`` whose rules also strip the wrapper prefixes of a file saved before
-    weightvault unwrapped models (``_orig_mod.``, ``module.``), if the model lacks them."""
+    weightvault unwrapped models (``_orig_mod.``, ``module.``), if the model lacks them.
+
+    ``rules="auto"`` needs none: such names differ from the model's only by a prefix they
+    all share, which is what it pairs by.
+    """
     if options.rules == "auto":
         return options
     rules = prefix_rules(disk, (t.name for t in targets), _rules.check(options.rules))
