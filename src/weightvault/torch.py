@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
@@ -32,7 +33,7 @@ from ._base.types import PathLike
 from ._file.checkpoint import CheckpointSource
 from ._file.sharing import Source
 from ._load import rules as _rules
-from ._load.plan import LoadOptions, RulesArg, plan_load
+from ._load.plan import LoadOptions, RulesArg, Target, plan_load
 from ._load.steps import save_file, values_by_group
 from ._load.transforms import Transforms
 from ._torch import assign as _assign, state as _torch_state
@@ -43,6 +44,7 @@ from ._torch.tensors import (
     entry_tensor,
     stored_tensor,
 )
+from ._torch.wrappers import prefix_rules, unwrap
 from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
@@ -87,6 +89,8 @@ def save(
     """Save a module or a dict of tensors, storing every tied tensor once.
 
     Names are ``state_dict`` names, aliases included; non-persistent buffers are left out.
+    A model wrapped in ``torch.compile``, DDP or ``nn.DataParallel`` is saved under the
+    names the model inside has, without ``_orig_mod.`` or ``module.``.
     Tied names become aliases (``{alias: kept}`` metadata, which plain safetensors readers
     honour); partial views of one storage are stored once and come back as views. Copies
     (separate tensors with equal bytes) are stored under every name by default, so plain
@@ -213,7 +217,10 @@ def load(
     the first byte is copied, so a load that raises leaves the model exactly as it was.
 
     Args:
-        model: The module to fill. Its own ties are kept.
+        model: The module to fill. Its own ties are kept. A ``torch.compile``, DDP or
+            ``nn.DataParallel`` wrapper is seen through; a wrapper's prefix (``_orig_mod.``,
+            ``module.``) that the model's names lack is stripped from the names on disk,
+            and ``report.renamed`` says so.
         path: A weightvault file, any safetensors file (``{alias: kept}`` metadata is
             honoured), a foreign format weightvault reads, or an open checkpoint.
         strict: Raise on missing, unexpected or mismatched names (else only report them).
@@ -243,7 +250,7 @@ def load(
         ChecksumError: ``verify`` and a tensor's bytes are damaged.
 
     Example:
-        >>> load(model, "ckpt.safetensors", rules=[("_orig_mod.*", "*")]).missing
+        >>> load(torch.compile(model), "ckpt.safetensors", rules=[("h.*", "blocks.*")]).missing
         []
     """
     options = LoadOptions(
@@ -262,8 +269,10 @@ def _load(
     scheduler: Any,
     rng: bool,
 ) -> LoadReport:
+    model = unwrap(model)
     targets, tensors = _assign.targets(model)
     with opened(path) as ckpt:
+        options = _accept_wrapped(ckpt.names, targets, options)
         lp = plan_load(ckpt, targets, options, type(model).__name__)
         # Training state is read and checked before the first weight is copied too.
         prepared = _torch_state.prepare(
@@ -279,6 +288,19 @@ def _load(
         lp.report_frozen()
     prepared.apply(lp.report)
     return lp.report
+
+
+def _accept_wrapped(disk: list[str], targets: list[Target], options: LoadOptions) -> LoadOptions:
+    """``options`` whose rules also strip the wrapper prefixes of a file saved before
+    weightvault unwrapped models (``_orig_mod.``, ``module.``), if the model lacks them.
+
+    ``rules="auto"`` needs none: such names differ from the model's only by a prefix they
+    all share, which is what it pairs by.
+    """
+    if options.rules == "auto":
+        return options
+    rules = prefix_rules(disk, (t.name for t in targets), _rules.check(options.rules))
+    return dataclasses.replace(options, rules=rules)
 
 
 def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:

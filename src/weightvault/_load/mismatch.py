@@ -65,7 +65,12 @@ def _raise_keys(ckpt: Checkpoint, report: LoadReport, label: str, fits: Fits | N
         if close:
             suggestions[name] = close[0]
     rule, fixes = propose_rule(
-        report.missing, report.unexpected, suggestions, fits=fits, loaded=report.loaded
+        report.missing,
+        report.unexpected,
+        suggestions,
+        fits=fits,
+        loaded=report.loaded,
+        aliases=_aliases(ckpt, report),
     )
     missing = [
         f"{n} (did you mean {suggestions[n]!r}?)" if n in suggestions else n for n in report.missing
@@ -87,6 +92,27 @@ def _raise_keys(ckpt: Checkpoint, report: LoadReport, label: str, fits: Fits | N
         rule=rule,
         rule_fixes=fixes,
     )
+
+
+def _aliases(ckpt: Checkpoint, report: LoadReport) -> list[tuple[str, str]]:
+    """``(alias, unexpected)`` for the other names of each tensor ``report.unexpected``
+    lists, as the rules named them.
+
+    A report lists one name per unused tensor, but a rule renames its aliases too: the
+    tied ``lm_head.weight`` of ``wte.weight`` is fixed by the rule that fixes the latter.
+    """
+    new_of = dict(report.renamed)
+    old_of = {new: old for old, new in report.renamed}
+    names_of: dict[str, list[str]] = {}
+    for name in ckpt.names:
+        names_of.setdefault(ckpt.entry(name).group, []).append(name)
+    out: list[tuple[str, str]] = []
+    for name in report.unexpected:
+        old = old_of.get(name, name)
+        if old in ckpt.entries:
+            group = names_of[ckpt.entry(old).group]
+            out += [(new_of.get(a, a), name) for a in group if a != old]
+    return out
 
 
 def _fix(rule: tuple[str, str] | None, fixed: int, missing: int) -> str:
@@ -128,13 +154,16 @@ def propose_rule(
     *,
     fits: Fits | None = None,
     loaded: Sequence[str] = (),
+    aliases: Sequence[tuple[str, str]] = (),
 ) -> tuple[tuple[str, str] | None, list[str]]:
     """The single rename rule that fixes the most missing names, and the names it fixes.
 
     A candidate is kept only if every name it renames lands on a missing name it can fill
     (``fits(disk_name, model_name)``, by dtype and shape), no two land on one, and it
     renames no name that already loads: a proposed rule never claims a fix it does not
-    make. It may fix only some of the missing names; the caller says so.
+    make. It may fix only some of the missing names; the caller says so. ``aliases`` pairs
+    the other names on disk of the ``unexpected`` tensors with the name listed: a missing
+    name the rule renames one of them to is fixed too, as the tied ``lm_head.weight`` is.
     """
     want = set(missing)
     pairs = list(suggestions.items()) or (
@@ -153,6 +182,32 @@ def propose_rule(
         ]
         if not fixed or len(fixed) != len(claimed) or len(set(fixed)) != len(fixed):
             continue
-        if best is None or len(fixed) > len(best[1]):
-            best = (cand, [n for n in missing if n in set(fixed)])
+        also = _alias_fixes(cand, aliases, want, set(loaded), fits)
+        if also is None:
+            continue
+        done = {*fixed, *also}
+        if best is None or len(done) > len(best[1]):
+            best = (cand, [n for n in missing if n in done])
     return (None, []) if best is None else best
+
+
+def _alias_fixes(
+    rule: tuple[str, str],
+    aliases: Sequence[tuple[str, str]],
+    want: set[str],
+    loaded: set[str],
+    fits: Fits | None,
+) -> list[str] | None:
+    """The missing names ``rule`` renames an alias to; ``None`` if it renames one onto a
+    name that loads already or that the alias cannot fill."""
+    out = []
+    for name, listed in aliases:
+        new, index = _rules.apply([rule], name)
+        if index is None or new is None:
+            continue
+        # An alias is its listed name's tensor: what that one fits, it fits.
+        if new in loaded or (new in want and fits is not None and not fits(listed, new)):
+            return None
+        if new in want:
+            out.append(new)
+    return out

@@ -17,6 +17,7 @@ from .._base.background import SnapshotPool
 from .._base.errors import UnsupportedValueError
 from .._file.sharing import Source
 from .tensors import layout_identity, tensor_source
+from .wrappers import unwrap
 
 Model = nn.Module | Mapping[str, torch.Tensor]
 
@@ -59,7 +60,8 @@ def _snapshot(
 
 def _state(obj: Model) -> dict[str, Any]:
     if isinstance(obj, nn.Module):
-        return obj.state_dict(keep_vars=True)
+        # The wrapped model's own names: torch.compile and DDP would prefix every one.
+        return unwrap(obj).state_dict(keep_vars=True)
     if isinstance(obj, Mapping):
         for name, value in obj.items():
             _check_value(name, value)

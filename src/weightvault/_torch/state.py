@@ -24,6 +24,7 @@ from .._load.resume import check_optimizer_class, training_doc
 from .._training import codec as _codec
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
 from .tensors import _dtype_name, stored_tensor, tensor_bytes
+from .wrappers import unwrap
 
 Optimizer = torch.optim.Optimizer
 Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler, or anything with state_dict()
@@ -35,7 +36,11 @@ _KINDS = ("optimizer", "scheduler", "rng")
 
 
 def _param_names(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[int, list[str]]:
-    """Every name of every parameter, by object id, in model order (a tie has several)."""
+    """Every name of every parameter, by object id, in model order (a tie has several).
+
+    A wrapped model's parameters are named as the model inside names them.
+    """
+    obj = unwrap(obj)
     items = (
         obj.named_parameters(remove_duplicate=False)
         if isinstance(obj, nn.Module)
@@ -109,6 +114,7 @@ def _groups(
     """
     names = _param_names(obj)
     label = type(optimizer).__name__
+    obj = unwrap(obj)
     owner = type(obj).__name__ if isinstance(obj, nn.Module) else "the model"
     out = []
     for gi, group in enumerate(optimizer.param_groups):
