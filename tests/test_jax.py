@@ -498,12 +498,13 @@ def test_pytree_freeze_mask_drives_optax_and_survives_save_load(tmp_path):
     wvj.unfreeze(params)
 
 
-def test_equinox_mask_matches_eqx_filter():
+def test_equinox_mask_drives_optax_multi_transform():
     model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
     assert wvj.freeze(model, "layers.0") == ["layers.0.weight", "layers.0.bias"]
     mask = wvj.trainable(model)
     params = eqx.filter(model, eqx.is_array)
-    assert jax.tree.structure(mask) == jax.tree.structure(params)
+    # One leaf for each of the model's (False for non-arrays): a prefix of ``params``.
+    assert jax.tree.structure(mask) == jax.tree.structure(model)
     # An Equinox module is callable, and optax would call a callable mask: wrap it.
     tx = optax.multi_transform({True: optax.sgd(1.0), False: optax.set_to_zero()}, lambda _: mask)
     grads = jax.tree.map(jnp.ones_like, params)

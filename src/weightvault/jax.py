@@ -11,8 +11,12 @@ here and in :mod:`weightvault._jax`:
   ``Variable`` that two modules hold (``self.b.kernel = self.a.kernel``) is stored once and
   every other name is recorded as an alias; on load it is filled once and stays shared.
   ``eqx.nn.Shared`` keeps one copy in its pytree already, so it is stored once as it is.
-* **In place or new**: NNX modules are filled in place (``load`` returns the same object);
-  pytrees and Equinox modules are immutable, so ``load`` returns a new one.
+  On load a pytree's ties are the file's: one array object twice in a template (as
+  ``eqx.nn.State(model)`` holds each ``StateIndex.init``) is no tie.
+* **In place or new**: NNX objects (modules, ``nnx.Optimizer``, ``nnx.State``, and
+  containers of them such as ``(model, optimizer)``) are filled in place (``load`` returns
+  the same object); pytrees and Equinox modules are immutable, so ``load`` returns a new
+  one. Either may be abstract (``jax.ShapeDtypeStruct`` leaves, from ``nnx.eval_shape``).
 * **Freezing** is an optimizer concern in JAX. :func:`trainable` gives what the optimizer
   needs: an NNX filter (``nnx.Optimizer(model, tx, wrt=trainable(model))``) or an optax
   mask for pytrees. NNX keeps the frozen flag in the ``Variable``'s metadata (key
@@ -22,7 +26,7 @@ here and in :mod:`weightvault._jax`:
   and keeps the record, but two trees of one structure share it.
 * **Devices**: arrays on any device are copied to host to be written; a sharded
   ``jax.Array`` is gathered and saved whole. On load each value is placed with the
-  sharding of the array it replaces.
+  sharding of the array (or ``jax.ShapeDtypeStruct``) it replaces.
 
 Example:
     >>> from flax import nnx
@@ -36,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -54,7 +59,7 @@ from ._base.errors import UnsupportedValueError
 from ._base.reports import LoadReport, SaveReport
 from ._base.types import PathLike
 from ._file.arrays import array_bytes, dtype_name, read_array
-from ._file.checkpoint import CheckpointSource
+from ._file.checkpoint import Checkpoint, CheckpointSource
 from ._file.sharing import Source
 from ._jax.frozen import (
     FROZEN_KEY as FROZEN_KEY,
@@ -64,9 +69,18 @@ from ._jax.frozen import (
     trainable_variable,
     tree_record,
 )
-from ._jax.walk import Leaf, is_array, is_nnx, leaves as _leaves, nnx_leaves, tree_leaves
+from ._jax.place import placed, where
+from ._jax.walk import (
+    Leaf,
+    is_abstract,
+    is_nnx,
+    is_target,
+    leaves as _leaves,
+    nnx_leaves,
+    tree_leaves,
+)
 from ._load import rules as _rules
-from ._load.plan import LoadOptions, RulesArg, Target, plan_load
+from ._load.plan import LoadOptions, LoadPlan, RulesArg, Target, plan_load
 from ._load.steps import by_group, save_file
 from ._load.transforms import Transforms
 from ._load.values import read_values
@@ -79,6 +93,15 @@ __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
 FRAMEWORK = "flax"
 
 T = TypeVar("T")
+
+
+def _refuse_abstract(leaf: Leaf) -> None:
+    if is_abstract(leaf.value):
+        raise UnsupportedValueError(
+            f"array {leaf.name!r} is abstract (a jax.ShapeDtypeStruct, as nnx.eval_shape "
+            "gives) and holds no values to save; load into the model first, or build it "
+            "concretely"
+        )
 
 
 def _host(name: str, value: Any) -> np.ndarray:
@@ -100,6 +123,7 @@ def _sources(obj: Any) -> tuple[list[Source], list[str]]:
     tree_frozen = tree_record(obj)
     sources = []
     for leaf in found:
+        _refuse_abstract(leaf)  # before the file is opened
         what = f"array {leaf.name!r}"
         dtype = array_dtype(what, leaf.value.dtype, "jax.random.key_data for PRNG keys, .astype")
         shape = tuple(int(d) for d in leaf.value.shape)
@@ -143,7 +167,8 @@ def save(
 
     Raises:
         UnsupportedDtypeError: An array's dtype has no safetensors name.
-        UnsupportedValueError: An array is sharded across processes and not all here.
+        UnsupportedValueError: An array is sharded across processes and not all here, or
+            is abstract (a ``jax.ShapeDtypeStruct``).
 
     Example:
         >>> model.b.kernel = model.a.kernel        # one Variable in two places
@@ -179,13 +204,6 @@ def load_file(path: CheckpointSource, *, verify: bool = False) -> dict[str, jax.
         return by_group(ckpt, lambda e: jax.numpy.asarray(read_array(ckpt, e, bases)))
 
 
-def _placed(value: np.ndarray, like: Any) -> Any:
-    """``value`` as the kind of array ``like`` is, on ``like``'s devices and sharding."""
-    if isinstance(like, jax.Array):
-        return jax.device_put(value, like.sharding)
-    return value
-
-
 def load(
     obj: T,
     path: CheckpointSource,
@@ -201,11 +219,16 @@ def load(
 
     Every check (names, shapes, dtypes, ties and, with ``verify``, checksums) runs and
     every value is read and placed on its device before the model is touched, so a load
-    that raises leaves it exactly as it was. An NNX module is filled in place and returned
-    as is; a pytree or an Equinox module is immutable, so a new one is returned.
+    that raises leaves it exactly as it was. An NNX object is filled in place and returned
+    as is; a pytree or an Equinox module is immutable, so a new one is returned. In a
+    pytree, names the file holds as one tensor come back as one array object
+    (``report.tied``); the template's own sharing of array objects is not a tie.
 
     Args:
-        obj: An ``nnx.Module``, an ``eqx.Module`` or a pytree of arrays.
+        obj: An ``nnx.Module``, an ``nnx.Optimizer``, an ``nnx.State``, a container of
+            them, an ``eqx.Module`` or a pytree of arrays. Any of them may be abstract
+            (``jax.ShapeDtypeStruct`` leaves): each array is placed on the struct's
+            sharding, or on the default device if it has none.
         path: A weightvault file, any safetensors file, a foreign format weightvault reads,
             or an open checkpoint (a vault's).
         strict: Raise on missing, unexpected or mismatched names; with ``False`` they are
@@ -227,8 +250,8 @@ def load(
     Raises:
         KeyMismatchError: ``strict`` and names disagree; the message proposes a rule.
         ShapeMismatchError: A shape or dtype differs.
-        TieConflictError: The model shares a Variable between names that the file holds
-            with different values.
+        TieConflictError: An NNX model shares a Variable between names that the file
+            holds with different values.
         ChecksumError: ``verify`` and an array's bytes are damaged.
 
     Example:
@@ -247,28 +270,29 @@ def load(
 def _load(
     obj: T, path: CheckpointSource, options: LoadOptions, restore_frozen: bool
 ) -> tuple[T, LoadReport]:
-    if is_nnx(obj):
+    in_place = is_nnx(obj)
+    if in_place:
         found, _ = nnx_leaves(obj)
         flat: list[Any] = []
         treedef = None
     else:
         found, _, flat, treedef = tree_leaves(obj)
+        # A pytree's ties are the file's: one array object twice in the template is no tie.
+        options = dataclasses.replace(options, tie=True)
     by_name = {leaf.name: leaf for leaf in found}
+    targets = [_target(leaf, by_identity=in_place) for leaf in found]
     with opened(path) as ckpt:
-        lp = plan_load(ckpt, [_target(leaf) for leaf in found], options, type(obj).__name__)
+        lp = plan_load(ckpt, targets, options, type(obj).__name__)
         if options.verify:
             ckpt.verify(lp.reads())
         # Read, rearrange, convert and place every value before touching the model.
-        values = [
-            (a.names, _placed(value, by_name[a.names[0]].value))
-            for a, value in read_values(ckpt, lp, lambda a: by_name[a.names[0]].value.dtype)
-        ]
+        values = _placed_values(ckpt, lp, by_name, share=not in_place)
     for names, value in values:
         first = by_name[names[0]]
         if first.variable is not None:
             first.variable.set_value(value)  # every name of the group is this one Variable
             continue
-        for name in names:  # one array object at every position that held the same one
+        for name in names:
             flat[by_name[name].index] = value
     result: Any = obj if treedef is None else jax.tree_util.tree_unflatten(treedef, flat)
     if restore_frozen:
@@ -277,10 +301,36 @@ def _load(
     return result, lp.report
 
 
-def _target(leaf: Leaf) -> Target:
+def _placed_values(
+    ckpt: Checkpoint, lp: LoadPlan, by_name: dict[str, Leaf], *, share: bool
+) -> list[tuple[list[str], Any]]:
+    """Every planned value, read and placed where its leaf is, as ``(names, value)``.
+
+    With ``share``, names the file holds as one tensor get one array object, when they are
+    placed alike; otherwise each assignment gets its own.
+    """
+    done: dict[Hashable, Any] = {}
+    out = []
+    for a, value in read_values(ckpt, lp, lambda a: by_name[a.names[0]].value.dtype):
+        like = by_name[a.names[0]].value
+        key = (ckpt.entry(a.source).group, a.dtype, a.transform, where(like)) if share else id(a)
+        if key not in done:
+            done[key] = placed(value, like)
+        out.append((a.names, done[key]))
+    return out
+
+
+def _target(leaf: Leaf, *, by_identity: bool) -> Target:
+    """The load plan's view of ``leaf``; only NNX Variables tie names by identity.
+
+    A pytree's identity is its array object, and ``eqx.nn.State(model)`` holds the very
+    arrays of the model's ``StateIndex.init``: arrays are immutable, so sharing one object
+    is no tie anyone asked for. Each pytree name is a tensor of its own.
+    """
     dtype = dtype_name(leaf.value.dtype) or str(leaf.value.dtype)
     shape = tuple(int(d) for d in leaf.value.shape)
-    return Target(leaf.name, leaf.identity, dtype, shape, is_param=leaf.is_param)
+    identity = leaf.identity if by_identity else ("name", leaf.name)
+    return Target(leaf.name, identity, dtype, shape, is_param=leaf.is_param)
 
 
 # -- freezing ------------------------------------------------------------------------------
@@ -339,12 +389,13 @@ def unfreeze(obj: Any, *patterns: str) -> list[str]:
 def trainable(obj: Any) -> Any:
     """What the optimizer should train: an NNX filter, or an optax mask for a pytree.
 
-    For an NNX module, a filter that selects every ``nnx.Param`` not frozen. It reads the
+    For an NNX object, a filter that selects every ``nnx.Param`` not frozen. It reads the
     flag when it runs, so it works on clones and split states too.
 
     For a pytree or an Equinox module, a pytree of the same structure with ``True`` for
-    each trainable array, ``False`` for each frozen one and ``None`` for every non-array
-    leaf, the shape ``eqx.filter(model, eqx.is_array)`` has. Use it as the labels of
+    each trainable array and ``False`` for each frozen one and for every non-array leaf.
+    That is an Equinox filter spec: ``eqx.partition(model, trainable(model))`` splits what
+    trains from the rest, as the Equinox FAQ freezes layers. It is also the labels of
     ``optax.multi_transform({True: tx, False: optax.set_to_zero()}, mask)``. Note that
     ``optax.masked(tx, mask)`` is not enough on its own: it passes the gradient of a
     masked-out array through unchanged, so the array would still move. An Equinox mask
@@ -357,12 +408,16 @@ def trainable(obj: Any) -> Any:
 
         >>> labels = trainable(params)                            # a pytree
         >>> tx = optax.multi_transform({True: optax.adam(1e-3), False: optax.set_to_zero()}, labels)
+
+        >>> diff, static = eqx.partition(eqx_model, trainable(eqx_model))
     """
     if is_nnx(obj):
         return trainable_variable
     frozen = tree_record(obj)
     found, _, flat, treedef = tree_leaves(obj)
-    mask: list[Any] = [None] * len(flat)
+    # False, not None, for non-array leaves: None is an empty subtree, and a filter spec
+    # (eqx.partition) needs one leaf for each of the model's.
+    mask: list[Any] = [False] * len(flat)
     for leaf in found:
         mask[leaf.index] = leaf.name not in frozen
     return jax.tree_util.tree_unflatten(treedef, mask)
@@ -372,8 +427,11 @@ def trainable(obj: Any) -> Any:
 
 
 def owns(obj: Any) -> bool:
-    """Whether ``obj`` is an NNX module, or a pytree (Equinox modules included) of arrays."""
-    return is_nnx(obj) or any(is_array(x) for x in jax.tree_util.tree_leaves(obj))
+    """Whether ``obj`` is an NNX object, or a pytree (Equinox modules included) of arrays.
+
+    Abstract arrays (``jax.ShapeDtypeStruct``) count: only JAX builds them.
+    """
+    return is_nnx(obj) or any(is_target(x) for x in jax.tree_util.tree_leaves(obj))
 
 
 def sources(obj: Any) -> tuple[list[Source], list[str]]:

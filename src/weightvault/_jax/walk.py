@@ -3,7 +3,9 @@ leaves by key path.
 
 Shared by every verb of :mod:`weightvault.jax`. A name is the path joined with ``.``
 (``"layers.0.kernel"``); its identity is the NNX ``Variable`` object, or for pytrees the
-array object, so a Variable two modules hold is one tensor under two names.
+array object, so a Variable two modules hold is one tensor under two names. A leaf may
+also be *abstract*, a ``jax.ShapeDtypeStruct`` (``nnx.eval_shape``,
+``eqx.filter_eval_shape``): a place to load into that holds no values yet.
 """
 
 from __future__ import annotations
@@ -35,9 +37,22 @@ class Leaf:
     index: int = -1  # position among the pytree's leaves (pytrees only)
 
 
+def _nnx_object(x: Any) -> bool:
+    return isinstance(x, nnx.Pytree | nnx.Variable)
+
+
 def is_nnx(obj: Any) -> bool:
-    """Whether ``obj`` is a Flax NNX module (filled in place on load)."""
-    return nnx is not None and isinstance(obj, nnx.Module)
+    """Whether ``obj`` is filled in place on load: it keeps its arrays in NNX Variables.
+
+    True for an NNX object (a module, an ``nnx.Optimizer``), and for a container of NNX
+    objects with no bare array of its own: ``(model, optimizer)``, an ``nnx.State``.
+    """
+    if nnx is None or isinstance(obj, nnx.Variable):
+        return False
+    if isinstance(obj, nnx.Pytree):
+        return True
+    found = jax.tree_util.tree_leaves(obj, is_leaf=_nnx_object)
+    return any(_nnx_object(x) for x in found) and not any(is_target(x) for x in found)
 
 
 def is_param(value: Any) -> bool:
@@ -48,6 +63,16 @@ def is_param(value: Any) -> bool:
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array weightvault saves: a ``jax.Array`` or a numpy array."""
     return isinstance(x, jax.Array | np.ndarray)
+
+
+def is_abstract(x: Any) -> bool:
+    """Whether ``x`` is an abstract array, a ``jax.ShapeDtypeStruct``: shape, no values."""
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def is_target(x: Any) -> bool:
+    """Whether ``x`` is an array or an abstract one: a leaf a load fills."""
+    return is_array(x) or is_abstract(x)
 
 
 def nnx_leaves(model: Any) -> tuple[list[Leaf], list[str]]:
@@ -69,13 +94,13 @@ def nnx_leaves(model: Any) -> tuple[list[Leaf], list[str]]:
             name = ".".join(str(p) for p in here)
             if isinstance(value, nnx.Variable):
                 inner = value.get_value()
-                if isinstance(value, nnx.RngState) or not is_array(inner):
+                if isinstance(value, nnx.RngState) or not is_target(inner):
                     skipped.append(name)  # RNG streams and non-array state are not weights
                     continue
                 out.append(Leaf(name, id(value), inner, is_param(value), value))
             elif _graph.is_node(value):
                 visit(value, here, (*ancestors, id(node)))
-            elif is_array(value):
+            elif is_target(value):
                 skipped.append(name)  # a bare array attribute: NNX state lives in Variables
 
     visit(model, (), ())
@@ -96,7 +121,7 @@ def tree_leaves(tree: Any) -> tuple[list[Leaf], list[str], list[Any], Any]:
     skipped: list[str] = []
     for i, (path, value) in enumerate(flat):
         name = ".".join(_key(k) for k in path)
-        if is_array(value):
+        if is_target(value):
             out.append(Leaf(name, id(value), value, True, index=i))
         elif value is not None:
             skipped.append(name)
