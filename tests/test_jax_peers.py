@@ -201,6 +201,25 @@ def test_nnx_optimizer_alone_is_named_by_its_attributes(tmp_path):
     assert same is other and report.ok
 
 
+def test_a_file_saved_when_containers_were_pytrees_still_loads_in_place(tmp_path):
+    # Before (model, optimizer) was named like a module, every name ended in ".value"
+    # ("1.step.value"); such files must keep loading, with no rule from the user.
+    model, optimizer = _make(0)
+    _train(model, optimizer, 2)
+    new = tmp_path / "new.safetensors"
+    wvj.save((model, optimizer), new)
+    old = tmp_path / "old.safetensors"
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    arrays = safetensors_numpy.load_file(str(new))
+    safetensors_numpy.save_file({f"{k}.value": v for k, v in arrays.items()}, str(old))
+
+    target = _make(1)
+    loaded, report = wvj.load(target, old)
+    assert loaded is target and report.ok
+    assert ("1.step.value", "1.step") in report.renamed
+    _assert_bitwise(nnx.state(target), nnx.state((model, optimizer)))
+
+
 class Siamese(nnx.Module):
     """One encoder module in two places, as a shared tower."""
 

@@ -267,6 +267,22 @@ def load(
     return _load(obj, path, options, restore_frozen)
 
 
+def _legacy_value_names(
+    options: LoadOptions, disk: Iterable[str], model: Mapping[str, Any]
+) -> LoadOptions:
+    """``options`` with a last rule that drops the ``.value`` older files end names with.
+
+    Before an ``nnx.Optimizer``, an ``nnx.State`` or a tuple of NNX objects was named like
+    a module, it was saved as a pytree (``step.value``); such a file still loads in place.
+    The rule comes after the caller's, and only where the bare name is the model's.
+    """
+    if isinstance(options.rules, str):
+        return options
+    if not any(n.endswith(".value") and n.removesuffix(".value") in model for n in disk):
+        return options
+    return dataclasses.replace(options, rules=[*options.rules, ("*.value", "*")])
+
+
 def _load(
     obj: T, path: CheckpointSource, options: LoadOptions, restore_frozen: bool
 ) -> tuple[T, LoadReport]:
@@ -282,6 +298,8 @@ def _load(
     by_name = {leaf.name: leaf for leaf in found}
     targets = [_target(leaf, by_identity=in_place) for leaf in found]
     with opened(path) as ckpt:
+        if in_place:
+            options = _legacy_value_names(options, ckpt.names, by_name)
         lp = plan_load(ckpt, targets, options, type(obj).__name__)
         if options.verify:
             ckpt.verify(lp.reads())
