@@ -84,6 +84,7 @@ class Vault:
     ) -> None:
         self.store = open_store(root, **storage_options)
         self.gc_wait = gc_wait
+        self._options = dict(storage_options)
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
@@ -323,8 +324,19 @@ class Vault:
         self._require()
         return break_gc_lock(self.store)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Another process (DCP's process-based async_save pickles the storage writer)
+        # opens the same vault again from its URL and options; what lives only in this
+        # process (a background save, snapshot buffers, cached checksums) stays here.
+        return (_reopen, (self.url, self.gc_wait, self._options))
+
     def __repr__(self) -> str:
         return f"Vault({self.url!r})"
+
+
+def _reopen(url: str, gc_wait: float, options: dict[str, Any]) -> Vault:
+    """The :class:`Vault` a pickled one stands for (see ``Vault.__reduce__``)."""
+    return Vault(url, gc_wait=gc_wait, **options)
 
 
 def _sources(
