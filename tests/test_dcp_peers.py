@@ -3,7 +3,7 @@ resolve "latest" apart, a reused reader, process-based ``async_save``, a natural
 a fresh optimizer, frozen flags the checkpoint does not hold, and a failed save caught by
 ``except Exception``.
 
-Multi-rank cases spawn gloo ranks on CPU (``tests/_dcp_workers.py``).
+Multi-rank cases spawn gloo ranks on CPU (bodies in ``tests/_dcp_peer_workers.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ pytest.importorskip("torch.distributed.checkpoint")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
+import _dcp_peer_workers as P  # noqa: E402
 import _dcp_workers as W  # noqa: E402
 import weightvault  # noqa: E402
 import weightvault.dcp as wdcp  # noqa: E402
@@ -29,20 +30,20 @@ import weightvault.dcp as wdcp  # noqa: E402
 def test_ranks_read_one_checkpoint_when_latest_moves_during_a_load(tmp_path: Path) -> None:
     """B is committed between the ranks' ``read_metadata``: every rank reads the
     coordinator's choice (all A, or all B), never A's shard on one rank and B's on the other."""
-    W.run_ranks(W.latest_race, 2, str(tmp_path))
+    W.run_ranks(P.latest_race, 2, str(tmp_path))
 
 
 def test_async_save_with_the_process_checkpointer(tmp_path: Path) -> None:
     """DCP's process checkpointer pickles the storage writer and planner into its own
     process; on 2 FSDP2 ranks the committed checkpoint loads back bitwise."""
-    W.run_ranks(W.async_process_save, 2, str(tmp_path / "vault"))
+    W.run_ranks(P.async_process_save, 2, str(tmp_path / "vault"))
     doc = json.loads((tmp_path / "vault" / "checkpoints" / "async.json").read_text())
     assert doc["dcp"]["ties"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
 
 
 def test_a_fresh_model_and_optimizer_resume_on_fsdp2(tmp_path: Path) -> None:
     """The natural resume: a fully trainable model and a fresh AdamW, 2 FSDP2 ranks."""
-    W.run_ranks(W.resume_fresh, 2, str(tmp_path / "vault"))
+    W.run_ranks(P.resume_fresh, 2, str(tmp_path / "vault"))
 
 
 # -- one process ---------------------------------------------------------------------------

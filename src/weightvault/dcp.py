@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from ._base.errors import DistributedCheckpointError, UnstorableValueError, capped
 from ._dcp.planner import VaultSavePlanner
 from ._dcp.reader import ReadStats, VaultReader
-from ._dcp.resume import apply_flags, drop_unheld, fqn, install_state, template_state
+from ._dcp.resume import apply_flags, fqn, install_state, optimizer_template
 from ._dcp.writer import VaultWriter
 from ._vault.records import CheckpointRecord, parse_record, read_doc
 from ._vault.vault import Vault, VaultLike, as_vault
@@ -216,24 +216,34 @@ def load(
     state: dict[str, Any] = {MODEL: msd}
     added: dict[str, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
-        if fresh:
-            drop_unheld(osd, metadata, f"{OPTIM}.")
-        added = template_state(model, osd, metadata, f"{OPTIM}.")
+        added = optimizer_template(model, osd, metadata, f"{OPTIM}.", fresh=fresh)
         state[OPTIM] = osd
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
     _collective(
         f"{v.url}: loading checkpoint {reader.resolved}",
         lambda: dcp_load(state, storage_reader=reader, planner=planner, no_dist=_no_dist()),
     )
-    set_model_state_dict(model, state[MODEL], options=StateDictOptions(strict=strict))
-    if optimizer is not None:
-        # Not strict: what a fresh optimizer lacks was never saved (see drop_unheld).
-        lenient = StateDictOptions(strict=False)
-        set_optimizer_state_dict(model, optimizer, state[OPTIM], options=lenient)
-        install_state(model, optimizer, added)
+    _set_state(model, optimizer, state, strict, added)
     if not restore_frozen:
         flags.restore()
     return reader.stats
+
+
+def _set_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    strict: bool,
+    added: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """Put the loaded state into the model and optimizer."""
+    set_model_state_dict(model, state[MODEL], options=StateDictOptions(strict=strict))
+    if optimizer is not None:
+        # Not strict: what the template lacks was never saved (see optimizer_template);
+        # the load itself was strict about everything the template asked for.
+        lenient = StateDictOptions(strict=False)
+        set_optimizer_state_dict(model, optimizer, state[OPTIM], options=lenient)
+        install_state(model, optimizer, added)
 
 
 def _resolve_on_rank0(v: Vault, name: str) -> str:

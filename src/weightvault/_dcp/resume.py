@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-__all__ = ["Flags", "apply_flags", "drop_unheld", "fqn", "install_state", "template_state"]
+__all__ = ["Flags", "apply_flags", "fqn", "install_state", "optimizer_template"]
 
 
 def fqn(name: str) -> str:
@@ -94,7 +94,7 @@ def _template(md: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor | 
     return None
 
 
-def template_state(
+def _add_held(
     model: nn.Module, osd: dict[str, Any], metadata: Metadata, prefix: str
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Add to ``osd`` the tensors of held optimizer state its template lacks.
@@ -143,7 +143,7 @@ def install_state(
             held.setdefault(key, value)
 
 
-def drop_unheld(osd: dict[str, Any], metadata: Metadata, prefix: str) -> None:
+def _drop_unheld(osd: dict[str, Any], metadata: Metadata, prefix: str) -> None:
     """Remove from a fresh optimizer's template the state the checkpoint does not hold.
 
     ``get_state_dict`` makes a fresh optimizer's state up (a zero-gradient step: ``step``
@@ -158,3 +158,23 @@ def drop_unheld(osd: dict[str, Any], metadata: Metadata, prefix: str) -> None:
             del entries[entry]
         if not entries:
             del state[name]
+
+
+def optimizer_template(
+    model: nn.Module, osd: dict[str, Any], metadata: Metadata, prefix: str, *, fresh: bool
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Make ``get_state_dict``'s optimizer template ask for what the checkpoint holds.
+
+    Args:
+        model: The live model, with the checkpoint's frozen flags applied.
+        osd: The optimizer's template from ``get_state_dict``; changed in place.
+        metadata: The checkpoint's DCP metadata.
+        prefix: The optimizer's prefix in the flattened state (``"optim."``).
+        fresh: The optimizer had no state before ``get_state_dict`` made some up.
+
+    Returns:
+        The entries added for held state the template lacked, for :func:`install_state`.
+    """
+    if fresh:
+        _drop_unheld(osd, metadata, prefix)
+    return _add_held(model, osd, metadata, prefix)
