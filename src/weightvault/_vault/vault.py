@@ -53,7 +53,9 @@ class Vault:
     """A checkpoint store that keeps every distinct tensor once across checkpoints.
 
     Opening a vault creates nothing: the first save does (or ``create=True``). Reading a
-    path that holds no vault raises :class:`~weightvault.VaultNotFoundError`.
+    path that holds no vault raises :class:`~weightvault.VaultNotFoundError`. A vault
+    pickles as its URL, ``gc_wait`` and storage options, and opens again on unpickling
+    (DCP's process-based ``async_save`` sends its storage writer to another process).
 
     Args:
         root: A local folder or an fsspec URL such as ``s3://bucket/run1``.
