@@ -264,10 +264,13 @@ def _chunk_digests(root: Path, name: str) -> set[str]:
     return {c[2] for t in doc["dcp"]["tensors"].values() for c in t["chunks"]}
 
 
-def test_a_dcp_checkpoint_loads_while_a_gc_holds_its_chunks_in_trash(tmp_path: Path) -> None:
+def test_a_dcp_checkpoint_loads_while_a_gc_holds_its_chunks_in_trash(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """A running gc moved the chunks into its trash and has not re-read the records yet
-    (the state gc.collect is in between its two reads). Loads find them there, as they do
-    a plain checkpoint's objects; before, they said "the vault is damaged"."""
+    (the state gc.collect is in between its two reads). Every read finds them there, as it
+    does a plain checkpoint's objects (Vault.load, wdcp.load, plain dcp.load, Vault.export),
+    and verify agrees; before, the loads said "the vault is damaged"."""
     from weightvault._vault import gc as _gc
 
     model, opt = _trained(1)
@@ -293,6 +296,15 @@ def test_a_dcp_checkpoint_loads_while_a_gc_holds_its_chunks_in_trash(tmp_path: P
     wdcp.load(fresh, vault, rec.name, optimizer=fresh_opt)  # DCP: ranged reads
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
+    target = {"model": W.gpt2(6).state_dict()}
+    dcp.load(target, storage_reader=wdcp.VaultReader(vault, rec.name), no_dist=True)  # plain DCP
+    for k, v in model.state_dict().items():
+        assert torch.equal(target["model"][k], v), k
+    out = tmp_path_factory.mktemp("export") / "model.safetensors"
+    vault.export(rec.name, out)
+    flat = load_file(str(out))
+    for k, v in flat.items():
+        assert torch.equal(v, model.state_dict()[k]), k
     with vault.open(rec.name) as ckpt:
         assert ckpt.missing() == {}
     assert vault.verify().ok

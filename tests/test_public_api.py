@@ -19,6 +19,7 @@ def test_all_is_pinned():
         "ChecksumError",
         "CollectivesRequiredError",
         "DiffReport",
+        "DistributedCheckpointError",
         "FormatError",
         "Inspection",
         "InvalidLimitError",

@@ -28,27 +28,30 @@ torch.distributed loads it with :meth:`weightvault.Vault.load` and exports it wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ._base.errors import UnstorableValueError
+from ._base.errors import DistributedCheckpointError, UnstorableValueError, capped
 from ._dcp.planner import VaultSavePlanner
 from ._dcp.reader import ReadStats, VaultReader
+from ._dcp.resume import apply_flags, fqn, install_state, optimizer_template
 from ._dcp.writer import VaultWriter
 from ._vault.records import CheckpointRecord, parse_record, read_doc
-from ._vault.vault import VaultLike, as_vault
+from ._vault.vault import Vault, VaultLike, as_vault
 
 __all__ = [
     "ReadStats",
@@ -67,19 +70,12 @@ MODEL, OPTIM = "model", "optim"
 # -- collective wrappers -------------------------------------------------------------------
 
 
-def _fqn(name: str) -> str:
-    # get_state_dict names parameters without wrapper prefixes (DDP, torch.compile, AC).
-    for part in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(part, "")
-    return name
-
-
 def _frozen(model: nn.Module, keys: set[str]) -> list[str]:
     out = []
     for name, p in model.named_parameters(remove_duplicate=False):
-        fqn = _fqn(name)
-        if fqn in keys and not p.requires_grad and fqn not in out:
-            out.append(fqn)
+        name = fqn(name)
+        if name in keys and not p.requires_grad and name not in out:
+            out.append(name)
     return out
 
 
@@ -95,6 +91,28 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+def _rank() -> int:
+    return 0 if _no_dist() else dist.get_rank()
+
+
+def _collective(what: str, run: Callable[[], Any]) -> None:
+    """Run DCP's ``save`` or ``load``; a rank's failure becomes an ``Exception``.
+
+    DCP raises ``CheckpointException``, a ``BaseException``, which ``except Exception``
+    (training loops, retry wrappers) would let through.
+    """
+    try:
+        run()
+    except CheckpointException as e:
+        failures = {r: f[0] if isinstance(f, tuple) else f for r, f in e.failures.items()}
+        shown = capped(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(failures.items()))
+        raise DistributedCheckpointError(
+            f"{what} failed on {len(failures)} rank(s): {shown}; fix that rank's error "
+            "(the full tracebacks are in this error's __cause__) and call it again",
+            failures,
+        ) from e
+
+
 def save(
     model: nn.Module,
     vault: VaultLike,
@@ -108,7 +126,8 @@ def save(
     Collective: every rank of the default process group calls it with its own shards.
     Names and optimizer state are mapped by DCP's ``get_state_dict``, so the checkpoint
     loads into any parallelism. Tied tensors are stored once, frozen tensors keep their
-    flag, and chunks already in the vault are not written again.
+    flag (and any optimizer state they had), and chunks already in the vault are not
+    written again.
 
     Args:
         model: The model (FSDP2 ``fully_shard``, DDP, tensor parallel or plain).
@@ -122,6 +141,14 @@ def save(
 
     Raises:
         CheckpointExistsError: ``name`` is already taken.
+        DistributedCheckpointError: A rank failed; nothing was committed. Its
+            ``failures`` hold each rank's error, its ``__cause__`` DCP's exception.
+
+    Example:
+        >>> try:
+        ...     wdcp.save(model, "runs/ft", optimizer=opt)
+        ... except weightvault.WeightvaultError as e:   # a failed rank included
+        ...     log.warning("checkpoint skipped: %s", e)
     """
     v = as_vault(vault)
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
@@ -131,7 +158,10 @@ def save(
     frozen = [f"{MODEL}.{n}" for n in _frozen(model, set(msd))]
     planner = VaultSavePlanner(frozen, [f"{MODEL}.{n}" for n in msd], model_prefix=f"{MODEL}.")
     writer = VaultWriter(v, name, metadata=metadata)
-    dcp_save(state, storage_writer=writer, planner=planner, no_dist=_no_dist())
+    _collective(
+        f"{v.url}: saving checkpoint {name or '(next)'}",
+        lambda: dcp_save(state, storage_writer=writer, planner=planner, no_dist=_no_dist()),
+    )
     committed = _broadcast(writer.record.name if writer.record is not None else None)
     if writer.record is not None:
         return writer.record
@@ -150,7 +180,10 @@ def load(
     """Fill a (possibly sharded) model, and its optimizer, from a vault checkpoint.
 
     Collective. The checkpoint may have been saved on any number of ranks: DCP reshards,
-    and each rank reads only the byte ranges its shards need.
+    and each rank reads only the byte ranges its shards need. A fresh optimizer works:
+    parameters get the checkpoint's frozen flags before the optimizer's template is made,
+    so it asks for exactly the state the checkpoint holds, frozen parameters' included,
+    and nothing is made up for the rest.
 
     Args:
         model: The model, already sharded the way you want it.
@@ -158,38 +191,70 @@ def load(
         name: The checkpoint (``"latest"`` by default, resolved once, on rank 0).
         optimizer: Its optimizer, to fill too.
         strict: Raise when the model has a tensor the checkpoint lacks.
-        restore_frozen: Set ``requires_grad`` of parameters from the saved frozen flags.
+        restore_frozen: Keep the checkpoint's frozen flags on the parameters it holds
+            (parameters it does not hold keep theirs); ``False`` puts the model's back.
 
     Returns:
         This rank's :class:`ReadStats`.
+
+    Raises:
+        DistributedCheckpointError: A rank failed to read.
+
+    Example:
+        >>> model = build_model()                    # every parameter trainable
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> wdcp.load(model, "runs/ft", optimizer=opt)
+        >>> model.backbone.weight.requires_grad      # frozen, as saved
+        False
     """
     v = as_vault(vault)
-    resolved = _broadcast(v.resolve(name) if _rank() == 0 else None)
-    options = StateDictOptions(strict=strict)
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
+    reader = VaultReader(v, _resolve_on_rank0(v, name))
+    metadata = reader.prefetch()
+    flags = apply_flags(model, metadata, set(reader.frozen), f"{MODEL}.")
+    fresh = optimizer is not None and not optimizer.state
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     state: dict[str, Any] = {MODEL: msd}
+    added: dict[str, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
+        added = optimizer_template(model, osd, metadata, f"{OPTIM}.", fresh=fresh)
         state[OPTIM] = osd
-    reader = VaultReader(v, resolved)
-    dcp_load(
-        state,
-        storage_reader=reader,
-        planner=DefaultLoadPlanner(allow_partial_load=not strict),
-        no_dist=_no_dist(),
+    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    _collective(
+        f"{v.url}: loading checkpoint {reader.resolved}",
+        lambda: dcp_load(state, storage_reader=reader, planner=planner, no_dist=_no_dist()),
     )
-    set_state_dict(
-        model,
-        optimizer if optimizer is not None else [],
-        model_state_dict=state[MODEL],
-        optim_state_dict=state.get(OPTIM, {}),
-        options=options,
-    )
-    if restore_frozen:
-        frozen = set(reader.frozen)
-        for pname, p in model.named_parameters(remove_duplicate=False):
-            p.requires_grad_(f"{MODEL}.{_fqn(pname)}" not in frozen)
+    _set_state(model, optimizer, state, strict, added)
+    if not restore_frozen:
+        flags.restore()
     return reader.stats
 
 
-def _rank() -> int:
-    return 0 if _no_dist() else dist.get_rank()
+def _set_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    strict: bool,
+    added: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """Put the loaded state into the model and optimizer."""
+    set_model_state_dict(model, state[MODEL], options=StateDictOptions(strict=strict))
+    if optimizer is not None:
+        # Not strict: what the template lacks was never saved (see optimizer_template);
+        # the load itself was strict about everything the template asked for.
+        lenient = StateDictOptions(strict=False)
+        set_optimizer_state_dict(model, optimizer, state[OPTIM], options=lenient)
+        install_state(model, optimizer, added)
+
+
+def _resolve_on_rank0(v: Vault, name: str) -> str:
+    """``name`` resolved once, on rank 0, for every rank; its error raised on every rank."""
+    got: Any = None
+    if _rank() == 0:
+        try:
+            got = v.resolve(name)
+        except Exception as e:  # every rank raises it, rather than wait for rank 0
+            got = e
+    got = _broadcast(got)
+    if isinstance(got, BaseException):
+        raise got
+    return str(got)

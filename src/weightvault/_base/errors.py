@@ -211,3 +211,17 @@ class VaultBusyError(WeightvaultError, TimeoutError):
 
 class VaultNotFoundError(WeightvaultError, FileNotFoundError):
     """The path holds no vault, and the call only reads one (it never creates a vault)."""
+
+
+class DistributedCheckpointError(WeightvaultError, RuntimeError):
+    """A ``weightvault.dcp`` save or load failed on some rank, or its ranks could not
+    agree on one checkpoint.
+
+    DCP reports a rank's failure as ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` lets through; this error is raised from it (``__cause__``), on
+    every rank, with each failed rank's error in ``failures``.
+    """
+
+    def __init__(self, message: str, failures: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, BaseException] = dict(failures or {})

@@ -7,12 +7,14 @@ stores), wherever the object is, a running gc's trash included.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._base.dtypes import ITEMSIZE, numel
-from .._base.errors import FormatError
+from .._base.errors import DistributedCheckpointError, FormatError
 from .._torch.tensors import DTYPES
 from .._vault.dcp_record import KIND, Chunk, ChunkedTensor, parse_tensors
 from .._vault.objects import content_hash, read_range
@@ -99,31 +101,67 @@ class VaultReader(StorageReader):
     object stores). A tied tensor is listed under each of its names, all reading one
     stored chunk; when the destinations are one memory, it is read once.
 
+    Every load resolves ``name`` anew (a reused reader of ``"latest"`` reads the newest
+    checkpoint each time), and all ranks read the checkpoint the coordinator resolved: DCP
+    has each rank read metadata on its own, so a checkpoint committed between two ranks'
+    reads would otherwise give them different checkpoints. The coordinator's choice
+    reaches every rank with DCP's global plan; a rank that resolved another checkpoint
+    plans its reads again against the coordinator's (with DCP's default load planner;
+    another planner gets a :class:`~weightvault.DistributedCheckpointError`).
+
     Args:
         vault: A :class:`~weightvault.Vault`, or its root or URL.
         name: The checkpoint to read (``"latest"`` by default).
 
     Attributes:
+        name: The checkpoint asked for (``"latest"`` stays ``"latest"``).
+        resolved: The checkpoint this rank reads in the current load.
         stats: :class:`ReadStats` of the last load on this rank.
         frozen: Names the checkpoint records as frozen (after ``read_metadata``).
+
+    Example:
+        >>> reader = VaultReader("runs/ft")          # "latest", resolved at each load
+        >>> dcp.load(state, storage_reader=reader)
+        >>> reader.resolved
+        '000007'
     """
 
     def __init__(self, vault: VaultLike, name: str = "latest") -> None:
         super().__init__()
         self.vault = as_vault(vault)
         self.name = name
+        self.resolved: str | None = None
         self.stats = ReadStats()
         self.frozen: list[str] = []
         self._storage: dict[MetadataIndex, Any] = {}
+        self._ahead: Metadata | None = None
+        self._coordinator = True
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.name = os.fspath(checkpoint_id)
+        self.resolved, self._ahead = None, None
         self.stats = ReadStats()
 
+    def prefetch(self) -> Metadata:
+        """Resolve and read the checkpoint's metadata now; the next load uses this copy.
+
+        :func:`weightvault.dcp.load` reads the frozen flags and the optimizer state it
+        must place before DCP plans, without reading the record twice.
+        """
+        self.resolved = self.vault.resolve(self.name)
+        self._ahead = self._open(self.resolved)
+        return self._ahead
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        name = self.vault.resolve(self.name)
-        self.name = name
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            return ahead
+        self.resolved = self.vault.resolve(self.name)
+        return self._open(self.resolved)
+
+    def _open(self, name: str) -> Metadata:
+        """DCP's metadata of checkpoint ``name``; keeps its frozen names and chunk table."""
         doc = read_doc(self.vault.store, name)
         where = f"{self.vault.url}/{record_key(name)}"
         section = doc.get("dcp")
@@ -141,12 +179,32 @@ class VaultReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self._storage = cast(dict[MetadataIndex, Any], metadata.storage_data)
+        self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # DCP scatters these plans: the one message every rank receives from the
+        # coordinator after each resolved its checkpoint on its own.
+        return [dataclasses.replace(p, storage_data=self.resolved) for p in plans]
+
+    def _agree(self, plan: LoadPlan, planner: LoadPlanner) -> LoadPlan:
+        """``plan``, or this rank's plan made again against the coordinator's checkpoint."""
+        chosen = plan.storage_data
+        if not isinstance(chosen, str) or chosen == self.resolved:
+            return plan
+        if not isinstance(planner, DefaultLoadPlanner):
+            raise DistributedCheckpointError(
+                f"{self.vault.url}: {self.name!r} is checkpoint {chosen!r} on the "
+                f"coordinator but {self.resolved!r} here (one was committed during the "
+                f"load), and {type(planner).__name__} cannot plan again; name the "
+                f"checkpoint: VaultReader(vault, {chosen!r})"
+            )
+        metadata = self._open(chosen)
+        self.resolved = chosen
+        planner.set_up_planner(planner.original_state_dict, metadata, self._coordinator)
+        return planner.finish_plan(planner.create_local_plan())
 
     def _range(self, digest: str, start: int, end: int) -> bytes:
         self.stats.requests += 1
@@ -156,11 +214,12 @@ class VaultReader(StorageReader):
             return read_range(self.vault.store, digest, start, end)
         except FileNotFoundError:
             raise FormatError(
-                f"{self.vault.url}: checkpoint {self.name!r}: object {digest[:12]} is "
+                f"{self.vault.url}: checkpoint {self.resolved!r}: object {digest[:12]} is "
                 "missing; the vault is damaged, run 'weightvault vault ROOT verify'"
             ) from None
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        plan = self._agree(plan, planner)
         filled: set[tuple[Any, ...]] = set()
         for req in plan.items:
             ref = self._storage[req.storage_index]
@@ -204,7 +263,7 @@ class VaultReader(StorageReader):
         data = self._range(chunk.digest, first * item, (last + 1) * item)
         if whole and content_hash(data) != chunk.digest:
             raise FormatError(
-                f"{self.vault.url}: checkpoint {self.name!r}: object {chunk.digest[:12]} is "
+                f"{self.vault.url}: checkpoint {self.resolved!r}: object {chunk.digest[:12]} is "
                 "corrupt (hash mismatch); run 'weightvault vault ROOT verify'"
             )
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(DTYPES[dtype])

@@ -53,7 +53,9 @@ class Vault:
     """A checkpoint store that keeps every distinct tensor once across checkpoints.
 
     Opening a vault creates nothing: the first save does (or ``create=True``). Reading a
-    path that holds no vault raises :class:`~weightvault.VaultNotFoundError`.
+    path that holds no vault raises :class:`~weightvault.VaultNotFoundError`. A vault
+    pickles as its URL, ``gc_wait`` and storage options, and opens again on unpickling
+    (DCP's process-based ``async_save`` sends its storage writer to another process).
 
     Args:
         root: A local folder or an fsspec URL such as ``s3://bucket/run1``.
@@ -84,6 +86,7 @@ class Vault:
     ) -> None:
         self.store = open_store(root, **storage_options)
         self.gc_wait = gc_wait
+        self._options = dict(storage_options)
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
@@ -323,8 +326,19 @@ class Vault:
         self._require()
         return break_gc_lock(self.store)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Another process (DCP's process-based async_save pickles the storage writer)
+        # opens the same vault again from its URL and options; what lives only in this
+        # process (a background save, snapshot buffers, cached checksums) stays here.
+        return (_reopen, (self.url, self.gc_wait, self._options))
+
     def __repr__(self) -> str:
         return f"Vault({self.url!r})"
+
+
+def _reopen(url: str, gc_wait: float, options: dict[str, Any]) -> Vault:
+    """The :class:`Vault` a pickled one stands for (see ``Vault.__reduce__``)."""
+    return Vault(url, gc_wait=gc_wait, **options)
 
 
 def _sources(
