@@ -1,6 +1,6 @@
 """Pins the weight names of a small Keras model, and the error for changed internals.
 
-weightvault.keras names weights with private Keras helpers (see _keras_internals.py). If
+weightvault.keras names weights with private Keras helpers (see _keras/internals.py). If
 a Keras release changes them, these tests fail first, naming what moved, instead of
 files that silently stop loading into Keras' own ``load_weights``.
 """

@@ -5,7 +5,7 @@ An adapter is a module ``weightvault.<framework>`` that offers, besides its publ
 
 - ``FRAMEWORK``: the ``"format"`` it writes into ``__metadata__`` (``"pt"``, ``"keras"``...);
 - ``owns(obj)``: whether ``obj`` is a model or dict of this framework;
-- ``sources(obj)``: ``(sources, skipped)``, every value as a :class:`~._plan.Source`;
+- ``sources(obj)``: ``(sources, skipped)``, every value as a :class:`~.._file.sharing.Source`;
 - ``load(model, checkpoint, *, verify, **options)``: fill ``model`` from a
   :class:`~._reader.Checkpoint`, as the public ``load`` does from a path;
 - ``checkpoint_sources(obj, *, optimizer, scheduler, rng, snapshot)``: the sources plus
