@@ -424,3 +424,20 @@ def test_background_snapshots_reuse_the_previous_buffers_without_mixing_values(
         for n, p in b.named_parameters():
             assert torch.equal(p, params[n]), (i, n)
         assert torch.equal(opt_b.state[b[2].weight]["exp_avg"], exp_avg), i
+
+
+def test_inspect_counts_no_training_state_as_model_bytes(tmp_path: Path) -> None:
+    # An AdamW checkpoint's moments are stored but are no model name: bytes_saved is what
+    # sharing left out of the model, never negative because of the optimizer.
+    import weightvault
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "run.safetensors"
+    wv.save(model, path, optimizer=opt)
+    info = weightvault.inspect(path)
+    assert info.training_bytes > 0
+    assert info.bytes_saved == 4 * 4 * 4  # the tied weight, once

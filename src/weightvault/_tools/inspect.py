@@ -46,6 +46,7 @@ class Inspection:
         shared_storage: Bytes of each stored region that only views read (no model name).
         container: ``"safetensors"``, ``"vault"``, or the foreign format read
             (``"mxnet"``, ``"torch"``, ``"numpy"``, ...).
+        training_bytes: Stored bytes of optimizer, scheduler and RNG state (no model name).
         duplicates: ``{stored_name: equal_name}`` for copies stored under their own name
             (saved with ``dedupe_copies=False``, the default), so plain readers see them.
             Recorded when the file was written; files from other writers list none.
@@ -69,10 +70,13 @@ class Inspection:
     shared_storage: dict[str, int] = field(default_factory=dict)
     container: str = "safetensors"
     duplicates: dict[str, str] = field(default_factory=dict)
+    training_bytes: int = 0
 
     @property
     def bytes_saved(self) -> int:
-        return self.logical_bytes - self.stored_bytes
+        """Model bytes that sharing left out; training state is no model name, so its
+        bytes count on neither side."""
+        return self.logical_bytes - (self.stored_bytes - self.training_bytes)
 
     @property
     def dedupe_savings(self) -> int:
@@ -111,6 +115,7 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
         },
         container=ckpt.container,
         duplicates=dict(m.duplicates),
+        training_bytes=sum(t.nbytes for n, t in ckpt.stored.items() if is_training(n)),
     )
 
 
