@@ -2,15 +2,14 @@
 
 ``torchrun --nproc_per_node=2 _hf_ddp_worker.py MODE OUT [NAME]``:
 
-- ``straight``: trains from seed 0 twice, without the callback (the Trainer's own folders)
-  and with ``VaultCallback(OUT/vault)``. Rank 0 writes both runs' final parameters
-  (``own.safetensors``, ``vaulted.safetensors``); every rank writes how many vault saves
-  it made (``saves-<rank>.json``).
+- ``run``: trains from seed 0 twice, without the callback (the Trainer's own folders) and
+  with ``VaultCallback(OUT/vault)``. Rank 0 writes both runs' final parameters
+  (``own.safetensors``, ``vaulted.safetensors``); every rank writes the vault saves it
+  made (``saves-<rank>.json``). Then the vault's storage fails (a full disk) on rank 0 at
+  step 4, in a run with foreground and one with background saves; every rank writes
+  what it raised (``error-<mode>-<rank>.json``).
 - ``resume``: builds the model from seed 7 and resumes from vault checkpoint ``NAME``
   through ``resume``; rank 0 writes ``resumed.safetensors``.
-- ``fail``: the vault's storage fails (a full disk) on rank 0 at step 4, once with
-  foreground and once with background saves; every rank writes what it raised
-  (``error-<mode>-<rank>.json``).
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ def fail(out: Path) -> None:
         mode = "background" if background else "foreground"
         callback = VaultCallback(out / f"vault-{mode}", background=background)
         try:
-            trainer(model(0), out / "run", [callback]).train()
+            trainer(model(0), out / f"run-{mode}", [callback]).train()
             raised: dict[str, Any] = {"type": None}
         except Exception as e:
             failures = getattr(e, "failures", {})
@@ -128,15 +127,14 @@ def fail(out: Path) -> None:
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    if mode == "straight":
+    if mode == "run":
         straight(out)
-    elif mode == "resume":
+        fail(out)  # the process group outlives a failed save: every rank raised alike
+    else:
         m = model(7)
         vault = out / "vault"
         resume(trainer(m, out / "again", [VaultCallback(vault)]), vault, sys.argv[3])
         write_params(m, out / "resumed.safetensors")
-    else:
-        fail(out)
     sys.stdout.flush()
     os._exit(0)  # no teardown of the Trainer's threads in a short-lived worker
 

@@ -30,9 +30,10 @@ WORKER = str(Path(__file__).parent / "_hf_ddp_worker.py")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One launch: an uninterrupted run without the callback, and one with it."""
+    """One launch: an uninterrupted run without the callback, one with it, and two whose
+    save fails on rank 0."""
     out = tmp_path_factory.mktemp("ddp")
-    torchrun(WORKER, "straight", str(out))
+    torchrun(WORKER, "run", str(out))
     return out
 
 
@@ -66,20 +67,17 @@ def test_a_new_torchrun_resumes_from_the_vault_bitwise(run: Path) -> None:
     _equal(wv.load_file(run / "own.safetensors"), wv.load_file(run / "resumed.safetensors"))
 
 
-def test_a_failed_save_on_rank_0_raises_a_weightvault_error_on_every_rank(
-    tmp_path: Path,
-) -> None:
+def test_a_failed_save_on_rank_0_raises_a_weightvault_error_on_every_rank(run: Path) -> None:
     """Rank 0's disk fills at step 4: both ranks raise DistributedCheckpointError (an
     Exception naming rank 0's OSError), foreground or background; checkpoint-2 stays."""
-    torchrun(WORKER, "fail", str(tmp_path))
     for mode in ("foreground", "background"):
         for rank in (0, 1):
-            raised = json.loads((tmp_path / f"error-{mode}-{rank}.json").read_text())
+            raised = json.loads((run / f"error-{mode}-{rank}.json").read_text())
             assert raised["type"] == "DistributedCheckpointError", (mode, rank, raised)
             assert raised["weightvault"] is True
             assert "checkpoint-4" in raised["message"] and "No space left" in raised["message"]
             assert list(raised["failures"]) == ["0"], raised
-        vault = weightvault.Vault(tmp_path / f"vault-{mode}")
+        vault = weightvault.Vault(run / f"vault-{mode}")
         assert [r.name for r in vault.list()] == ["checkpoint-2"]
         assert vault.verify().problems == []
 
