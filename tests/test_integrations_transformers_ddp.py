@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,3 +100,26 @@ def test_rank_rng_states_are_stored_once_each_and_checked_when_read() -> None:
     doc["states"][1]["cpu"] = doc["states"][1]["cpu"][:-8]
     with pytest.raises(weightvault.TrainingStateError, match="ckpt: its per-rank RNG"):
         decode_ranks(json.dumps(doc), "ckpt")
+
+
+def test_a_sharded_model_is_refused_when_training_begins(tmp_path: Path) -> None:
+    """FSDP2 leaves no process holding the model whole: the callback says so at once, on
+    every rank, instead of failing obscurely (or in a collective) at the first save."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import TrainerControl, TrainerState
+
+    from weightvault.integrations.transformers import VaultCallback
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rv'}")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        callback = VaultCallback(tmp_path / "vault")
+        args = SimpleNamespace()  # not TrainingArguments: it would set up accelerate's state
+        callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(weightvault.UnsupportedValueError, match=r"'0\.weight' is a shard"):
+            callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "vault").exists()

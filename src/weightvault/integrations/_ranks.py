@@ -20,10 +20,11 @@ import pickle
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from .._base.errors import DistributedCheckpointError, capped
 
-__all__ = ["agree", "gather", "rank", "world_size"]
+__all__ = ["agree", "gather", "rank", "sharded_parameter", "world_size"]
 
 
 def world_size() -> int:
@@ -79,6 +80,25 @@ def agree(error: Exception | None, what: str, fix: str) -> None:
         f"stops here and the checkpoints committed before stay loadable; {fix}",
         failures,
     ) from error
+
+
+def sharded_parameter(model: nn.Module) -> str | None:
+    """The name of a parameter ``model`` holds only a shard of (FSDP), or ``None``.
+
+    Checked by type alone: no collective, so a rank may ask without the others.
+    """
+    if not dist.is_available():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        if isinstance(module, FullyShardedDataParallel):  # FSDP1 wraps; FSDP2 makes DTensors
+            return next((f"{name}.{n}".lstrip(".") for n, _ in module.named_parameters()), name)
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            return name
+    return None
 
 
 def _portable(error: Exception) -> tuple[str, bytes | None]:

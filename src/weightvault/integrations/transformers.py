@@ -32,14 +32,14 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise not_installed("transformers", "transformers and PyTorch") from e
 
 from .. import _training
-from .._base.errors import TrainingStateError
+from .._base.errors import TrainingStateError, UnsupportedValueError
 from .._file.checkpoint import Checkpoint
 from .._torch.tensors import stored_tensor
 from .._training import codec as _codec
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
 from ._rank_rng import RANKS_KEY, decode_ranks, encode_ranks, rank_rng
-from ._ranks import agree, gather, world_size
+from ._ranks import agree, gather, sharded_parameter, world_size
 
 __all__ = ["VaultCallback", "checkout", "resume"]
 
@@ -114,6 +114,23 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         agree(error, f"the vault save of {name} into {self.vault.url}", _FIX)
         self._inflight = name if self.background else None
         return control
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        # Every rank holds the same kind of model, so every rank refuses alike, at once.
+        sharded = sharded_parameter(kwargs["model"])
+        if sharded is not None:
+            raise UnsupportedValueError(
+                f"VaultCallback saves a model that the main process holds whole (one process, "
+                f"or DDP), but this Trainer shards it (FSDP, tensor parallelism): parameter {sharded!r} is a shard; "
+                "train with DDP, or checkpoint the sharded model with weightvault.dcp.save, "
+                "called on every rank"
+            )
 
     def on_train_end(
         self,
