@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -24,9 +23,9 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import weightvault
-import weightvault._vault.vault as vault_module
+sys.path.insert(0, str(Path(__file__).parent))
 import weightvault.torch as wv
+from _ddp_helpers import count_saves, fail_on_rank0, raised, rank
 from weightvault.integrations.transformers import VaultCallback, resume
 
 STEPS = 6
@@ -61,26 +60,9 @@ def trainer(m: torch.nn.Module, folder: Path, callbacks: list[Any]) -> Trainer:
     return Trainer(model=m, args=args, train_dataset=dataset(), callbacks=callbacks)
 
 
-def rank() -> int:
-    return int(os.environ["RANK"])
-
-
 def write_params(m: torch.nn.Module, path: Path) -> None:
     if rank() == 0:
         wv.save({k: v.detach().clone() for k, v in m.named_parameters()}, path)
-
-
-def count_saves() -> list[str]:
-    """The names this process saves into a vault, as it saves them."""
-    names: list[str] = []
-    save = weightvault.Vault.save
-
-    def counted(self: weightvault.Vault, model: Any, name: str | None = None, **kw: Any) -> Any:
-        names.append(str(name))
-        return save(self, model, name, **kw)
-
-    weightvault.Vault.save = counted  # type: ignore[method-assign]
-    return names
 
 
 def straight(out: Path) -> None:
@@ -94,35 +76,17 @@ def straight(out: Path) -> None:
     (out / f"saves-{rank()}.json").write_text(json.dumps(names))
 
 
-def fail_on_rank0(step: str) -> None:
-    """Make the vault's storage fail on rank 0 for checkpoint ``step`` (a full disk)."""
-    save_sources = vault_module.save_sources
-
-    def failing(*args: Any, **kw: Any) -> Any:
-        if rank() == 0 and kw.get("name") == step:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return save_sources(*args, **kw)
-
-    vault_module.save_sources = failing
-
-
 def fail(out: Path) -> None:
     fail_on_rank0("checkpoint-4")
     for background in (False, True):
         mode = "background" if background else "foreground"
         callback = VaultCallback(out / f"vault-{mode}", background=background)
+        error = None
         try:
             trainer(model(0), out / f"run-{mode}", [callback]).train()
-            raised: dict[str, Any] = {"type": None}
         except Exception as e:
-            failures = getattr(e, "failures", {})
-            raised = {
-                "type": type(e).__name__,
-                "weightvault": isinstance(e, weightvault.WeightvaultError),
-                "message": str(e),
-                "failures": {r: repr(x) for r, x in failures.items()},
-            }
-        (out / f"error-{mode}-{rank()}.json").write_text(json.dumps(raised))
+            error = e
+        (out / f"error-{mode}-{rank()}.json").write_text(json.dumps(raised(error)))
 
 
 def main() -> None:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -25,16 +24,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _lightning_worker as lw
-import weightvault
-import weightvault._vault.vault as vault_module
 import weightvault.torch as wv
+from _ddp_helpers import count_saves, fail_on_rank0, raised, rank
 from weightvault.integrations.lightning import VaultCheckpointIO
 
 FIRST = "epoch=0-step=2.ckpt"  # 32 samples, batches of 8, over 2 ranks: 2 steps an epoch
-
-
-def rank() -> int:
-    return int(os.environ["RANK"])
 
 
 class Start(L.Callback):
@@ -72,19 +66,6 @@ def write_params(model: Any, path: Path) -> None:
         wv.save(lw.params(model), path)
 
 
-def count_saves() -> list[str]:
-    """The names this process saves into a vault, as it saves them."""
-    names: list[str] = []
-    save = weightvault.Vault.save
-
-    def counted(self: weightvault.Vault, model: Any, name: str | None = None, **kw: Any) -> Any:
-        names.append(str(name))
-        return save(self, model, name, **kw)
-
-    weightvault.Vault.save = counted  # type: ignore[method-assign]
-    return names
-
-
 def straight(root: Path) -> None:
     write_params(fit(root / "own"), root / "own.safetensors")
     names = count_saves()
@@ -105,25 +86,13 @@ def resume(root: Path) -> None:
 
 
 def fail(root: Path) -> None:
-    save_sources = vault_module.save_sources
-
-    def failing(*args: Any, **kw: Any) -> Any:
-        if rank() == 0 and kw.get("name") == "epoch_1-step_4":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return save_sources(*args, **kw)
-
-    vault_module.save_sources = failing
+    fail_on_rank0("epoch_1-step_4")
+    error = None
     try:
         fit(root / "failing", vault=root / "vault-failing")
-        raised: dict[str, Any] = {"type": None}
     except Exception as e:
-        raised = {
-            "type": type(e).__name__,
-            "weightvault": isinstance(e, weightvault.WeightvaultError),
-            "message": str(e),
-            "failures": {r: repr(x) for r, x in getattr(e, "failures", {}).items()},
-        }
-    (root / f"error-{rank()}.json").write_text(json.dumps(raised))
+        error = e
+    (root / f"error-{rank()}.json").write_text(json.dumps(raised(error)))
 
 
 def main() -> None:

@@ -12,6 +12,9 @@ weights) are stored once across all checkpoints.
 
 To resume, :func:`checkout` writes a folder in the Trainer's own layout, which
 ``trainer.train(resume_from_checkpoint=folder)`` reads; :func:`resume` does both in one call.
+
+Under ``torchrun`` (DDP) nothing changes in the script: the main process writes each
+checkpoint once, with every rank's RNG states, and a failed save raises on every rank.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
     keeps that many of the newest checkpoints (through :meth:`Vault.retain`; it counts
     every checkpoint in the vault, so give each run its own vault). Training itself is
     untouched: the final parameters are bitwise equal to a run without the callback.
+
+    On several processes (DDP under ``torchrun``) every rank skips the Trainer's own save,
+    the main process writes, and the ranks then agree: a save that failed raises
+    :class:`~weightvault.DistributedCheckpointError` on every rank, never a hang. A
+    sharded model (FSDP) is refused when training begins; see docs/integrations.md.
 
     Args:
         vault: Where checkpoints go: a :class:`~weightvault.Vault`, or its path or URL
@@ -126,10 +134,10 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         sharded = sharded_parameter(kwargs["model"])
         if sharded is not None:
             raise UnsupportedValueError(
-                f"VaultCallback saves a model that the main process holds whole (one process, "
-                f"or DDP), but this Trainer shards it (FSDP, tensor parallelism): parameter {sharded!r} is a shard; "
-                "train with DDP, or checkpoint the sharded model with weightvault.dcp.save, "
-                "called on every rank"
+                "VaultCallback saves a model that the main process holds whole (one process, "
+                "or DDP), but this Trainer shards it (FSDP, tensor parallelism): parameter "
+                f"{sharded!r} is a shard; train with DDP, or checkpoint the sharded model with "
+                "weightvault.dcp.save, called on every rank"
             )
 
     def on_train_end(
