@@ -27,10 +27,11 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise not_installed("lightning", "Lightning and PyTorch") from e
 
-from .._base.errors import TrainingStateError
+from .._base.errors import DistributedCheckpointError, TrainingStateError
 from .._training import codec as _codec
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file
+from ._ranks import rank, world_size
 
 __all__ = ["VaultCheckpointIO", "checkpoint_name"]
 
@@ -87,16 +88,28 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
 
         A checkpoint of that name is replaced, as Lightning overwrites its files.
 
+        Under DDP (``torchrun``) Lightning calls this on rank 0 alone, and the other ranks
+        wait at its barrier.
+
         Raises:
             UnsupportedStateError: A value has no JSON form (named by its key); nothing is
                 written, so the vault holds no partial checkpoint.
+            DistributedCheckpointError: The save failed on several processes (the storage's
+                error is its ``__cause__``). Lightning runs no code of this plugin on the
+                other ranks, so they stop with torch's connection error when this process
+                exits (``torchrun`` then ends them), never a hang.
         """
         name = checkpoint_name(path)
         tensors: dict[str, torch.Tensor] = {}
         doc = _codec.encode(checkpoint, "checkpoint", tensor=_collect(tensors), hint=_HINT)
         text = json.dumps(doc, allow_nan=False)
-        discard(self.vault, name)
-        self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
+        try:
+            discard(self.vault, name)
+            self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
+        except Exception as e:
+            if world_size() == 1:
+                raise
+            raise _failed_on_rank(e, f"the vault save of {name} into {self.vault.url}") from e
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -127,6 +140,16 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""
         discard(self.vault, checkpoint_name(path))
+
+
+def _failed_on_rank(error: Exception, what: str) -> DistributedCheckpointError:
+    """The error for ``what`` failing on this rank, the one Lightning saves on."""
+    return DistributedCheckpointError(
+        f"{what} failed on rank {rank()} of {world_size()}: {type(error).__name__}: {error}; "
+        "the other ranks wait at Lightning's barrier until this process exits, and the "
+        "checkpoints committed before stay loadable; fix this error and resume with ckpt_path",
+        {rank(): error},
+    )
 
 
 def _collect(tensors: dict[str, torch.Tensor]) -> _codec.TensorHook:

@@ -12,6 +12,9 @@ weights) are stored once across all checkpoints.
 
 To resume, :func:`checkout` writes a folder in the Trainer's own layout, which
 ``trainer.train(resume_from_checkpoint=folder)`` reads; :func:`resume` does both in one call.
+
+Under ``torchrun`` (DDP) nothing changes in the script: the main process writes each
+checkpoint once, with every rank's RNG states, and a failed save raises on every rank.
 """
 
 from __future__ import annotations
@@ -32,17 +35,21 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise not_installed("transformers", "transformers and PyTorch") from e
 
 from .. import _training
-from .._base.errors import TrainingStateError
+from .._base.errors import TrainingStateError, UnsupportedValueError
 from .._file.checkpoint import Checkpoint
 from .._torch.tensors import stored_tensor
 from .._training import codec as _codec
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
+from ._rank_rng import RANKS_KEY, decode_ranks, encode_ranks, rank_rng
+from ._ranks import agree, gather, sharded_parameter, world_size
 
 __all__ = ["VaultCallback", "checkout", "resume"]
 
 #: The metadata key that holds the ``TrainerState`` as JSON.
 STATE_KEY = "trainer_state"
+
+_FIX = "fix that rank's error and resume the run from the vault's 'latest' checkpoint"
 
 
 def _unwrap(obj: Any, attr: str) -> Any:
@@ -59,6 +66,11 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
     keeps that many of the newest checkpoints (through :meth:`Vault.retain`; it counts
     every checkpoint in the vault, so give each run its own vault). Training itself is
     untouched: the final parameters are bitwise equal to a run without the callback.
+
+    On several processes (DDP under ``torchrun``) every rank skips the Trainer's own save,
+    the main process writes, and the ranks then agree: a save that failed raises
+    :class:`~weightvault.DistributedCheckpointError` on every rank, never a hang. A
+    sharded model (FSDP) is refused when training begins; see docs/integrations.md.
 
     Args:
         vault: Where checkpoints go: a :class:`~weightvault.Vault`, or its path or URL
@@ -78,6 +90,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         self.vault = as_vault(vault)
         self.background = background
         self._pending: Any = None
+        self._inflight: str | None = None  # a background save's name, on every rank
 
     def on_step_end(
         self,
@@ -89,32 +102,43 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         # The Trainer saves right after this event when control.should_save is set; saving
         # here and clearing the flag stores the same state and skips its folder. The RNG
         # states are those the Trainer would store: nothing draws between the two points.
-        if not control.should_save or not args.should_save:
+        if not control.should_save:
             return control
-        self._settle(args)
         # What the Trainer's own save records about the control flow, as it does.
         callbacks: Any = state.stateful_callbacks  # a dict once training runs
         callbacks["TrainerControl"] = control.state()
-        doc = json.dumps(dataclasses.asdict(state), sort_keys=True)
-        name = f"checkpoint-{state.global_step}"
-        # A run resumed from an earlier step replaces the later checkpoints of the run it
-        # left, as the Trainer overwrites its folders.
-        discard(self.vault, name)
-        result = self.vault.save(
-            kwargs["model"],
-            name,
-            optimizer=_unwrap(kwargs.get("optimizer"), "optimizer"),
-            scheduler=_unwrap(kwargs.get("lr_scheduler"), "scheduler"),
-            rng=True,
-            background=self.background,
-            metadata={STATE_KEY: doc, "global_step": str(state.global_step)},
-        )
-        if self.background:
-            self._pending = result
-        else:
-            self._retain(args)
+        # Every rank skips the Trainer's save, not just the writer: a rank going on into
+        # it enters collectives (its FLOP count's) the others never reach, and hangs.
         control.should_save = False
+        self._settle(args)
+        name = f"checkpoint-{state.global_step}"
+        ranks = gather(rank_rng()) if world_size() > 1 else None  # collective: all ranks
+        error = None
+        if args.should_save:  # the Trainer's own rule: the main process writes
+            try:
+                self._write(args, state, name, ranks, kwargs)
+            except Exception as e:  # every rank must hear of it, or they wait forever
+                error = e
+        agree(error, f"the vault save of {name} into {self.vault.url}", _FIX)
+        self._inflight = name if self.background else None
         return control
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        # Every rank holds the same kind of model, so every rank refuses alike, at once.
+        sharded = sharded_parameter(kwargs["model"])
+        if sharded is not None:
+            raise UnsupportedValueError(
+                "VaultCallback saves a model that the main process holds whole (one process, "
+                "or DDP), but this Trainer shards it (FSDP, tensor parallelism): parameter "
+                f"{sharded!r} is a shard; train with DDP, or checkpoint the sharded model with "
+                "weightvault.dcp.save, called on every rank"
+            )
 
     def on_train_end(
         self,
@@ -125,11 +149,52 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         self._settle(args)
 
-    def _settle(self, args: TrainingArguments) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
+    def _write(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        name: str,
+        ranks: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Store the checkpoint (on the writing rank only)."""
+        metadata = {
+            STATE_KEY: json.dumps(dataclasses.asdict(state), sort_keys=True),
+            "global_step": str(state.global_step),
+        }
+        if ranks is not None:
+            metadata[RANKS_KEY] = encode_ranks(ranks)
+        # A run resumed from an earlier step replaces the later checkpoints of the run it
+        # left, as the Trainer overwrites its folders.
+        discard(self.vault, name)
+        result = self.vault.save(
+            kwargs["model"],
+            name,
+            optimizer=_unwrap(kwargs.get("optimizer"), "optimizer"),
+            scheduler=_unwrap(kwargs.get("lr_scheduler"), "scheduler"),
+            rng=True,
+            background=self.background,
+            metadata=metadata,
+        )
+        if self.background:
+            self._pending = result
+        else:
             self._retain(args)
+
+    def _settle(self, args: TrainingArguments) -> None:
+        """Wait for the background save; collective, as the save's own :func:`agree` is."""
+        name, self._inflight = self._inflight, None
+        if name is None:
+            return
+        pending, self._pending = self._pending, None
+        error = None
+        try:
+            if pending is not None:
+                pending.wait()
+                self._retain(args)
+        except Exception as e:
+            error = e
+        agree(error, f"the background vault save of {name} into {self.vault.url}", _FIX)
 
     def _retain(self, args: TrainingArguments) -> None:
         if args.save_total_limit:
@@ -177,12 +242,16 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
         optimizer = _optimizer_state(ckpt, training, where)
         scheduler = _scheduler_state(training, where)
         rng = _rng_state(ckpt, training, where)
+        ranks = ckpt.manifest.metadata.get(RANKS_KEY)
+        per_rank = {} if ranks is None else decode_ranks(ranks, where)
         weights = _load_file(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     _save(weights, out / "model.safetensors")
     torch.save(optimizer, out / "optimizer.pt")
     torch.save(scheduler, out / "scheduler.pt")
     torch.save(rng, out / "rng_state.pth")
+    for r, states in per_rank.items():  # a distributed Trainer reads its rank's file
+        torch.save(states, out / f"rng_state_{r}.pth")
     (out / "trainer_state.json").write_text(json.dumps(json.loads(state), indent=2) + "\n")
     return out
 
@@ -191,16 +260,26 @@ def resume(trainer: Any, vault: VaultLike, name: str = "latest", **train_kwargs:
     """Resume ``trainer`` from vault checkpoint ``name`` in one call.
 
     Checks the checkpoint out into a temporary folder (removed afterwards) and calls
-    ``trainer.train(resume_from_checkpoint=...)``. ``vault`` may be a path or URL.
+    ``trainer.train(resume_from_checkpoint=...)``. ``vault`` may be a path or URL. Under
+    ``torchrun`` every rank calls it: each checks out its own folder (ranks need not share
+    a file system), and a checkout that fails on one rank raises on all of them.
 
     Returns:
         What ``trainer.train`` returns.
+
+    Raises:
+        DistributedCheckpointError: The checkout failed on some rank (several processes).
 
     Example:
         >>> resume(trainer, "runs/vault", "checkpoint-2")
     """
     with tempfile.TemporaryDirectory(prefix="weightvault-resume-") as tmp:
-        folder = checkout(vault, name, tmp)
+        error = None
+        try:
+            folder = checkout(vault, name, tmp)
+        except Exception as e:  # the other ranks would wait in the Trainer's first collective
+            error = e
+        agree(error, f"the checkout of {name!r} from {vault}", "resume from another checkpoint")
         return trainer.train(resume_from_checkpoint=str(folder), **train_kwargs)
 
 
