@@ -214,8 +214,8 @@ class VaultNotFoundError(WeightvaultError, FileNotFoundError):
 
 
 class DistributedCheckpointError(WeightvaultError, RuntimeError):
-    """A ``weightvault.dcp`` save or load failed on some rank, or its ranks could not
-    agree on one checkpoint.
+    """A save or load on several ranks failed on some rank (``weightvault.dcp``, or the
+    Trainer callback under ``torchrun``), or the ranks could not agree on one checkpoint.
 
     DCP reports a rank's failure as ``CheckpointException``, a ``BaseException`` that
     ``except Exception`` lets through; this error is raised from it (``__cause__``), on
