@@ -25,7 +25,11 @@ from .._file.layout import is_training
 from .._file.sharing import Source
 from .._load import rules as _rules
 from .._training.state import stored_name
-from ..formats._registry import opened
+from ..formats._registry import detect, opened
+
+#: Keras' own formats, which convert rewrites as Keras files when the target is one too.
+KERAS_KINDS = ("hdf5", "keras")
+KERAS_TARGETS = (".h5", ".keras")
 
 
 def _sources(ckpt: Checkpoint, rules: _rules.Rules) -> tuple[list[Source], list[str]]:
@@ -127,6 +131,13 @@ def convert(
     ``dedupe_copies`` they are stored once and recorded as copies, and weightvault gives
     every name its own tensor again on load.
 
+    A Keras ``.weights.h5`` or ``.keras`` converted to a name ending in ``.h5`` or
+    ``.keras`` stays a Keras file, which Keras still loads: each variable Keras wrote
+    once per layer is stored once, the other paths hard links to it
+    (:mod:`weightvault.formats.keras_write` says how equal datasets are told apart);
+    equal constant datasets stay separate unless ``dedupe_copies``. ``rules`` and
+    ``checksum`` do not apply there.
+
     Args:
         src: The file to convert: MXNet ``.params``, torch ``.pt``/``.bin``, Keras
             ``.weights.h5``, numpy ``.npz`` or safetensors, recognised by its bytes.
@@ -157,6 +168,20 @@ def convert(
         (6, 66560, 16640)
     """
     checked = _rules.check(rules)
+    kind = None if isinstance(src, Checkpoint) else detect(src)
+    if (
+        not isinstance(src, Checkpoint)
+        and kind in KERAS_KINDS
+        and os.fspath(dst).lower().endswith(KERAS_TARGETS)
+    ):
+        if checked:
+            raise RuleError(
+                f"{os.fspath(src)}: rules cannot rename the datasets of a Keras file, whose "
+                "names are its layout; convert to a .safetensors name to rename"
+            )
+        from ..formats.keras_archive import rewrite_keras
+
+        return rewrite_keras(src, dst, kind, dedupe_copies=dedupe_copies, dry_run=dry_run)
     with opened(src) as ckpt:
         _budget_views(ckpt, max_bytes)
         return rewrite(
