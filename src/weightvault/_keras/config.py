@@ -3,8 +3,9 @@
 Building a model from a config runs code the config names: a ``Lambda`` layer carries a
 Python function (as bytecode, or by a registered name), and a custom class runs its own
 ``from_config``. Keras' ``safe_mode`` refuses only the bytecode. weightvault's
-``load_model`` refuses both, and every class that is not Keras' own, unless the caller
-opts in: ``custom_objects`` names the classes it trusts, ``safe_mode=False`` trusts all.
+``load_model`` refuses both, and every class that is not Keras' own (registered with
+``register_keras_serializable`` or not), unless the caller opts in: ``custom_objects``
+names the classes it trusts, ``safe_mode=False`` trusts all.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ BUILTINS = "builtins"
 #: Classes that carry a Python function.
 LAMBDAS = ("Lambda", "__lambda__")
 FIX = (
-    "pass safe_mode=False (or name the class in custom_objects) only if you trust "
+    "Pass safe_mode=False (or name the class in custom_objects) only if you trust "
     "the file's author: building it runs their code"
 )
 
@@ -69,12 +70,23 @@ def vet(config: str, where: str, custom_objects: Mapping[str, Any] | None, safe_
                 f"building the model would run; it is refused in safe mode. {FIX}"
             )
         registered = node.get("registered_name")
-        if isinstance(module, str) and not _is_keras(module) and not {cls, registered} & trusted:
+        if _custom(module, registered) and not {cls, registered} & trusted:
             raise FormatError(
-                f"{where}: {name!r} is a custom object ({module}.{cls}) that is not in "
-                f"custom_objects; it is refused in safe mode. {FIX}"
+                f"{where}: {name!r} is a custom object ({registered or f'{module}.{cls}'}) "
+                f"that is not in custom_objects; it is refused in safe mode. {FIX}"
             )
     return doc
+
+
+def _custom(module: Any, registered: Any) -> bool:
+    """Whether a config entry names a class that is not Keras' own.
+
+    A registered name (``package>Name``, what ``register_keras_serializable`` makes)
+    wins over the module in Keras' lookup, so it is custom whatever module is given.
+    """
+    if isinstance(registered, str) and (">" in registered or module is None):
+        return True
+    return isinstance(module, str) and not _is_keras(module)
 
 
 def _layer_name(node: Mapping[str, Any]) -> Any:

@@ -72,6 +72,9 @@ class Renamed(Checkpoint):
     def check(self, stored: str) -> bool:
         return self._inner.check(self._back[stored])
 
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        return self._inner.read_into(self._back[stored], buffer)
+
 
 def as_ours(ckpt: Checkpoint, vs: list[Var], label: str | None = None) -> Checkpoint:
     """Read a Keras-written file (``layers/dense/vars/0``) under the target's names.

@@ -52,6 +52,11 @@ def fill(
             continue
         value = read_value(ckpt, a, bases, dtype_of)
         variable.assign(value)
+        # JAX copies asynchronously and holds the array until it has: wait, or every
+        # value read would be alive at once.
+        ready = getattr(variable.value, "block_until_ready", None)
+        if ready is not None:
+            ready()
         del value  # before the next one is read
 
 

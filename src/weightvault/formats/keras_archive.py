@@ -42,7 +42,7 @@ FIX = "the archive is damaged or was not written by Keras; save the model again"
 MAX_RATIO = 1100
 MAX_MEMBERS = 100_000
 #: The largest config.json or metadata.json read.
-MAX_JSON = 256 << 20
+MAX_JSON = 32 << 20
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 

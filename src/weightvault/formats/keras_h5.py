@@ -48,6 +48,7 @@ import mmap
 import os
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .._base.dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, MAX_DIMS, NUMPY_NATIVE, numel
@@ -273,16 +274,12 @@ def _build(
             p.copies[name] = p.duplicates.pop(name)
     p.stored = [s for s in p.stored if s.name not in p.copies]
     arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]] = {
-        s.name: (s.dtype, s.shape, s.data()) for s in p.stored
+        s.name: (s.dtype, s.shape, reader.views[s.name] if s.name in reader.views else s.data())
+        for s in p.stored
     }
     offsets = {n: at for n, at in reader.offsets.items() if n in arrays}
     manifest = p.manifest(declared.metadata, ours=False)
-    ckpt = H5Checkpoint(region, arrays, manifest, offsets, mm, mine)
-    if mm is not None and hasattr(mm, "madvise"):
-        # Finding duplicates touched pages of the map; a load reads with preadv, so let
-        # them go rather than count them in the process' memory until close.
-        mm.madvise(mmap.MADV_DONTNEED)
-    return ckpt
+    return H5Checkpoint(region, arrays, manifest, offsets, mm, mine)
 
 
 def read_declared(f: Any, where: str, budget: DecodeBudget, names: set[str]) -> Declared | None:
@@ -344,7 +341,15 @@ class _Reader:
         self.where = region.label
         self.out: list[Source] = []
         self.offsets: dict[str, int] = {}  # dataset name -> absolute offset in the file
+        self.views: dict[str, memoryview] = {}  # dataset name -> its bytes in the map
         self.groups: dict[Hashable, str] = {}
+
+    def read(self, name: str, at: int, n: int) -> memoryview:
+        """A private copy of a contiguous dataset's bytes, read with ``preadv``."""
+        buffer = memoryview(bytearray(n))
+        with open(self.region.path, "rb", buffering=0) as f:
+            read_fully(f.fileno(), buffer, at, self.where, name)
+        return buffer
 
     def walk(self, group: Any, prefix: str, ancestors: list[Hashable]) -> None:
         where = self.where
@@ -382,9 +387,13 @@ class _Reader:
         offset = ds.id.get_offset() if ds.chunks is None and ds.compression is None else None
         if offset is not None and little and n and offset + n <= self.buf.nbytes:
             # Zero-copy: the bytes are in the file exactly as safetensors wants them.
-            view = self.buf[offset : offset + n]
+            view = self.views[name] = self.buf[offset : offset + n]
             if self.region.inflated is None:
-                self.offsets[name] = self.region.start + offset
+                self.offsets[name] = at = self.region.start + offset
+                # Finding duplicates reads through preadv, never the map: nothing of the
+                # file stays in the process' memory, and a file truncated meanwhile is a
+                # FormatError, not a SIGBUS.
+                return Source(name, dtype, shape, ident, partial(self.read, name, at, n))
             return Source(name, dtype, shape, ident, lambda: view)
         stored = ds.id.get_storage_size()
         if n > MAX_RATIO * stored + FILL_ALLOWANCE:
