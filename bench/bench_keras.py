@@ -101,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a ~2M-parameter model")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--memory", action="store_true", help="peak extra RSS of each load")
+    ap.add_argument("--repeat", type=int, default=3, help="--memory: processes per contender")
     ap.add_argument("--child", nargs=2, metavar=("CONTENDER", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(*args.child)
     if args.memory:
-        return memory()
+        return memory(args.repeat)
 
     model = build(args.quick)
     target = build(args.quick)
@@ -251,8 +252,8 @@ def child(contender: str, folder: str) -> int:
     return 0
 
 
-def memory() -> int:
-    """Write every file once, then measure each contender in a process of its own."""
+def memory(repeat: int) -> int:
+    """Write every file once, then measure each contender in fresh processes (medians)."""
     import json
     import subprocess
 
@@ -275,22 +276,24 @@ def memory() -> int:
         f"keras {keras.__version__}, backend {keras.backend.backend()}; model: 12 Dense "
         f"2048x2048, {model_bytes / MiB:.1f} MiB; peak extra RSS of one load, fresh process\n"
     )
-    print(f"{'':54} {'extra MiB':>9} {'of model':>9} {'load s':>7}")
+    print(f"{'':54} {'extra MiB':>9} {'of model':>9} {'load s':>7}  (median of {repeat})")
     env = dict(os.environ, KERAS_BACKEND=keras.backend.backend())
     for contender in CONTENDERS:
-        done = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", contender, folder],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
-        )
-        got = json.loads(done.stdout.strip().splitlines()[-1])
-        same = "" if abs(got["out"] - expected) < 1e-3 * max(1.0, abs(expected)) else "  WRONG"
-        print(
-            f"{contender:54} {got['extra'] / MiB:9.1f} {got['extra'] / model_bytes:9.1%} "
-            f"{got['seconds']:7.3f}{same}"
-        )
+        runs = []
+        for _ in range(repeat):
+            done = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--child", contender, folder],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        extra = statistics.median(r["extra"] for r in runs)
+        seconds = statistics.median(r["seconds"] for r in runs)
+        right = all(abs(r["out"] - expected) < 1e-3 * max(1.0, abs(expected)) for r in runs)
+        note = "" if right or contender.startswith("(reference)") else "  WRONG VALUES"
+        print(f"{contender:54} {extra / MiB:9.1f} {extra / model_bytes:9.1%} {seconds:7.3f}{note}")
     for name in sorted(os.listdir(folder)):
         full = os.path.join(folder, name)
         if os.path.isfile(full):
