@@ -96,6 +96,17 @@ def rounds(fns: dict[str, Callable[[], Any]], n: int) -> dict[str, list[float]]:
     return out
 
 
+def print_rows(*rows: tuple[str, str, list[float], list[float]]) -> None:
+    """One line per contender: its file's size, then save and load medians [min-max]."""
+    print(f"{'':26} {'file MiB':>9} {'save s':>18} {'load s':>18}")
+    for name, path, s, ld in rows:
+        print(
+            f"{name:26} {os.path.getsize(path) / MiB:9.1f} "
+            f"{statistics.median(s):7.3f} [{min(s):.2f}-{max(s):.2f}] "
+            f"{statistics.median(ld):7.3f} [{min(ld):.2f}-{max(ld):.2f}]"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a ~2M-parameter model")
@@ -104,10 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="--memory: processes per contender")
     ap.add_argument("--child", nargs=2, metavar=("CONTENDER", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        return child(*args.child)
-    if args.memory:
-        return memory(args.repeat)
+    if args.child or args.memory:
+        return child(*args.child) if args.child else memory(args.repeat)
 
     model = build(args.quick)
     target = build(args.quick)
@@ -149,27 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(report.aliases)} shared-variable aliases"
     )
     print(f"rounds: {args.rounds} (+1 warm-up), medians [min-max] in seconds\n")
-    print(f"{'':26} {'file MiB':>9} {'save s':>18} {'load s':>18}")
-    rows = [
-        (
-            "keras .weights.h5",
-            os.path.getsize(h5),
-            saves["keras save_weights"],
-            loads["keras load_weights"],
-        ),
-        (
-            "weightvault.keras",
-            os.path.getsize(st),
-            saves["weightvault.keras.save"],
-            loads["weightvault.keras.load"],
-        ),
-    ]
-    for name, size, s, ld in rows:
-        print(
-            f"{name:26} {size / MiB:9.1f} "
-            f"{statistics.median(s):7.3f} [{min(s):.2f}-{max(s):.2f}] "
-            f"{statistics.median(ld):7.3f} [{min(ld):.2f}-{max(ld):.2f}]"
-        )
+    print_rows(
+        ("keras .weights.h5", h5, saves["keras save_weights"], loads["keras load_weights"]),
+        ("weightvault.keras", st, saves["weightvault.keras.save"], loads["weightvault.keras.load"]),
+    )
     print(
         f"\nweightvault stored {report.stored_bytes / MiB:.1f} MiB of "
         f"{report.logical_bytes / MiB:.1f} MiB logical"

@@ -61,7 +61,7 @@ from ._keras.layout import (
     frozen_paths,
     record,
 )
-from ._keras.sources import model_sources
+from ._keras.sources import checkpoint_sources as checkpoint_sources, model_sources
 from ._keras.trainable import restore_flags, select, set_trainable
 from ._keras.walk import NAMES as NAMES, Var, model_vars
 from ._load.plan import LoadOptions, LoadPlan, RulesArg, Target, plan_load
@@ -87,34 +87,8 @@ __all__ = [
 
 #: The ``"format"`` written into ``__metadata__``.
 FRAMEWORK = "keras"
-
-
-def checkpoint_sources(
-    obj: Any,
-    *,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    rng: bool = False,
-    snapshot: SnapshotPool | None = None,
-) -> tuple[list[Source], list[str], dict[str, Any] | None]:
-    """Model, optimizer and RNG as sources plus the manifest's training section.
-
-    With ``snapshot`` (a background save), every variable that training can change (all
-    but frozen ones; on JAX all) is copied now, so the save writes the values of the call.
-    """
-    _keras_state.refuse_scheduler(scheduler)
-    sources, skipped = model_sources(obj)
-    if snapshot is not None:
-        # Keras' JAX train step donates every variable's buffer, frozen ones included, so
-        # there a live read could meet a deleted array: copy them all.
-        live_frozen = keras.backend.backend() != "jax"
-        sources = [s if s.frozen and live_frozen else s.copied() for s in sources]
-    if optimizer is None and not rng:
-        return sources, skipped, None
-    if isinstance(obj, Mapping):
-        raise TypeError("optimizer= and rng= need the Keras model, not a dict of variables")
-    extra, training = _keras_state.training_sources(obj, optimizer=optimizer, rng=rng)
-    return sources + extra, skipped, training
+#: The last background save; the next save waits for it.
+_pending: SaveHandle[SaveReport] | None = None
 
 
 def save(
@@ -177,10 +151,6 @@ def save(
         return write()
     _pending = SaveHandle(write, f"save {os.fspath(path)}")
     return _pending
-
-
-#: The last background save; the next save waits for it.
-_pending: SaveHandle[SaveReport] | None = None
 
 
 def load_file(

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._base.dtypes import ITEMSIZE
 from .._file.checkpoint import Checkpoint
 from .._load.plan import Assignment, LoadPlan
 from .._load.values import read_value
@@ -61,31 +60,14 @@ def fill(
 
 
 def _read_in_place(ckpt: Checkpoint, a: Assignment, variable: Any) -> bool:
-    """Read ``a``'s bytes straight into a PyTorch-backed variable's memory, if possible."""
-    e = ckpt.entry(a.source)
-    tensor = getattr(variable, "value", None)
-    if (
-        a.transform is not None
-        or a.cast
-        or e.view is not None
-        or type(tensor).__module__.split(".")[0] != "torch"
-    ):
-        return False
-    import torch
+    """Read ``a``'s bytes straight into a PyTorch-backed variable's memory, if possible.
 
-    assert isinstance(tensor, torch.Tensor)
-    if (
-        tensor.device.type != "cpu"
-        or not tensor.is_contiguous()
-        or tensor.numel() == 0
-        # Keras' torch backend holds some dtypes wider (uint16 as int32): then the bytes
-        # on disk are not the tensor's, and assign() converts them.
-        or tensor.element_size() != ITEMSIZE[e.dtype]
-    ):
+    Keras' torch backend holds some dtypes wider (uint16 as int32); then the dtypes
+    differ, nothing is read here, and ``assign()`` converts the value.
+    """
+    tensor: Any = getattr(variable, "value", None)
+    if a.transform is not None or a.cast or type(tensor).__module__.split(".")[0] != "torch":
         return False
-    buffer = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    if not ckpt.read_into(e.stored, buffer):
-        return False
-    # Written through numpy, past autograd's version counter: bump it as copy_ would.
-    torch.autograd.graph.increment_version(tensor)
-    return True
+    from .._torch.assign import read_direct
+
+    return read_direct(ckpt, a.source, tensor)

@@ -168,20 +168,10 @@ def convert(
         (6, 66560, 16640)
     """
     checked = _rules.check(rules)
-    kind = None if isinstance(src, Checkpoint) else detect(src)
-    if (
-        not isinstance(src, Checkpoint)
-        and kind in KERAS_KINDS
-        and os.fspath(dst).lower().endswith(KERAS_TARGETS)
-    ):
-        if checked:
-            raise RuleError(
-                f"{os.fspath(src)}: rules cannot rename the datasets of a Keras file, whose "
-                "names are its layout; convert to a .safetensors name to rename"
-            )
-        from ..formats.keras_archive import rewrite_keras
-
-        return rewrite_keras(src, dst, kind, dedupe_copies=dedupe_copies, dry_run=dry_run)
+    if not isinstance(src, Checkpoint) and os.fspath(dst).lower().endswith(KERAS_TARGETS):
+        kind = detect(src)
+        if kind in KERAS_KINDS:
+            return _keras_file(src, dst, kind, checked, dedupe_copies, dry_run)
     with opened(src) as ckpt:
         _budget_views(ckpt, max_bytes)
         return rewrite(
@@ -193,6 +183,20 @@ def convert(
             checksum=checksum,
             dedupe_copies=dedupe_copies,
         )
+
+
+def _keras_file(
+    src: PathLike, dst: PathLike, kind: str, rules: _rules.Rules, dedupe: bool, dry_run: bool
+) -> SaveReport:
+    """A Keras file rewritten as a Keras file (see :func:`convert`)."""
+    if rules:
+        raise RuleError(
+            f"{os.fspath(src)}: rules cannot rename the datasets of a Keras file, whose "
+            "names are its layout; convert to a .safetensors name to rename"
+        )
+    from ..formats.keras_archive import rewrite_keras
+
+    return rewrite_keras(src, dst, kind, dedupe_copies=dedupe, dry_run=dry_run)
 
 
 def _budget_views(ckpt: Checkpoint, max_bytes: int | None) -> None:
