@@ -149,14 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         keras.ops.convert_to_numpy(model(x)), keras.ops.convert_to_numpy(target(x))
     )
 
-    print(
-        f"keras {keras.__version__}, backend {keras.backend.backend()}, "
-        f"python {sys.version.split()[0]}"
-    )
-    print(
-        f"model: {n_params / 1e6:.1f}M distinct parameters, "
-        f"{len(report.aliases)} shared-variable aliases"
-    )
+    print(f"keras {keras.__version__}, {keras.backend.backend()}, python {sys.version.split()[0]}")
+    print(f"model: {n_params / 1e6:.1f}M parameters, {len(report.aliases)} shared-variable aliases")
     print(f"rounds: {args.rounds} (+1 warm-up), medians [min-max] in seconds\n")
     print_rows(
         ("keras .weights.h5", h5, saves["keras save_weights"], loads["keras load_weights"]),

@@ -9,6 +9,12 @@ and views the source records are kept. Copies are found by content: stored under
 name by default, so plain safetensors readers see them all, or stored once with
 ``dedupe_copies=True``, so a Gluon file saved with four copies of one layer is written
 with one.
+
+A Keras ``.weights.h5`` or ``.keras`` converted to a name ending in ``.h5`` or ``.keras``
+stays a Keras file, which Keras still loads: each variable Keras wrote once per layer is
+stored once, the other paths hard links to it (:mod:`weightvault.formats.keras_write`
+says how equal datasets are told apart); equal constant datasets stay separate unless
+``dedupe_copies``. ``rules`` and ``checksum`` do not apply there.
 """
 
 from __future__ import annotations
@@ -129,18 +135,11 @@ def convert(
     source shares stay shared. Tensors with equal dtype, shape and bytes (copies) are
     written under every name, so plain safetensors readers see each one; with
     ``dedupe_copies`` they are stored once and recorded as copies, and weightvault gives
-    every name its own tensor again on load.
-
-    A Keras ``.weights.h5`` or ``.keras`` converted to a name ending in ``.h5`` or
-    ``.keras`` stays a Keras file, which Keras still loads: each variable Keras wrote
-    once per layer is stored once, the other paths hard links to it
-    (:mod:`weightvault.formats.keras_write` says how equal datasets are told apart);
-    equal constant datasets stay separate unless ``dedupe_copies``. ``rules`` and
-    ``checksum`` do not apply there.
+    every name its own tensor again on load. A Keras file stays one (see the module).
 
     Args:
         src: The file to convert: MXNet ``.params``, torch ``.pt``/``.bin``, Keras
-            ``.weights.h5``, numpy ``.npz`` or safetensors, recognised by its bytes.
+            ``.weights.h5``/``.keras``, ``.npz`` or safetensors, recognised by its bytes.
         dst: Where to write; replaced atomically.
         rules: ``(pattern, replacement)`` renames, such as
             :data:`weightvault.rules.MXNET_PREFIXES`.
@@ -168,10 +167,8 @@ def convert(
         (6, 66560, 16640)
     """
     checked = _rules.check(rules)
-    if not isinstance(src, Checkpoint) and os.fspath(dst).lower().endswith(KERAS_TARGETS):
-        kind = detect(src)
-        if kind in KERAS_KINDS:
-            return _keras_file(src, dst, kind, checked, dedupe_copies, dry_run)
+    if (kept := _keras_file(src, dst, checked, dedupe_copies, dry_run)) is not None:
+        return kept
     with opened(src) as ckpt:
         _budget_views(ckpt, max_bytes)
         return rewrite(
@@ -186,9 +183,14 @@ def convert(
 
 
 def _keras_file(
-    src: PathLike, dst: PathLike, kind: str, rules: _rules.Rules, dedupe: bool, dry_run: bool
-) -> SaveReport:
-    """A Keras file rewritten as a Keras file (see :func:`convert`)."""
+    src: PathLike | Checkpoint, dst: PathLike, rules: _rules.Rules, dedupe: bool, dry_run: bool
+) -> SaveReport | None:
+    """A Keras file rewritten as a Keras file, if both names say Keras (else ``None``)."""
+    if isinstance(src, Checkpoint) or not os.fspath(dst).lower().endswith(KERAS_TARGETS):
+        return None
+    kind = detect(src)
+    if kind not in KERAS_KINDS:
+        return None
     if rules:
         raise RuleError(
             f"{os.fspath(src)}: rules cannot rename the datasets of a Keras file, whose "
