@@ -126,6 +126,8 @@ def tree(path: Path) -> dict[str, Any]:
                     walk(obj, name + "/")
                 else:
                     out[name] = np.array(obj)
+                    if obj.attrs:
+                        out[name + "/"] = dict(obj.attrs)  # bfloat16's marker
 
         walk(f, "")
     return out
@@ -167,6 +169,24 @@ def test_save_weights_is_keras_layout_name_for_name_value_for_value(tmp_path: Pa
     fresh = tied_functional(seed=1)
     fresh.load_weights(ours)  # Keras reads the hard links as its own datasets
     assert np.array_equal(np_(fresh(X)), np_(model(X)))
+
+
+def test_bfloat16_and_computed_values_are_written_as_keras_writes_them(tmp_path: Path) -> None:
+    model = keras.Sequential(
+        [keras.Input((8,)), layers.Dense(4, dtype="bfloat16", name="a"), layers.Dense(2, name="b")]
+    )
+    model.get_layer("b").enable_lora(2)  # saves a merged kernel: a computed array
+    theirs, ours = tmp_path / "keras.weights.h5", tmp_path / "ours.weights.h5"
+    model.save_weights(theirs)
+    wvk.save_weights(model, ours)
+    expected, got = tree(theirs), tree(ours)
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        if name.endswith("/"):
+            assert got[name] == value, name
+        else:
+            assert got[name].dtype == value.dtype and got[name].tobytes() == value.tobytes()
+    assert expected["layers/dense/vars/0/"] == {"dtype": "bfloat16"}
 
 
 def test_weightvault_reads_the_links_as_one_variable_assigned_once(tmp_path: Path) -> None:

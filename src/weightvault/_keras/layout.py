@@ -21,10 +21,10 @@ from typing import Any
 import keras
 
 from .._base.dtypes import ITEMSIZE, numel
+from .._base.errors import UnsupportedValueError
 from .._base.progress import human
-from .internals import saving_lib
-from .sources import frozen_ids
-from .walk import dtype_name, model_vars
+from .internals import saving_lib, sublayers
+from .walk import dtype_name, model_vars, require_built
 
 
 @dataclass
@@ -109,7 +109,7 @@ def record(model: Any) -> Layout:
         ModelNotBuiltError: The model has no variables yet.
         KerasInternalsChanged: This Keras has no ``saving_lib`` walk weightvault knows.
     """
-    model_vars(model, "save_weights")  # refuses an unbuilt model, with the fix
+    require_built(model, "save_weights")
     store = _recorder()()
     save_state = saving_lib("_save_state")
     save_state(
@@ -120,10 +120,15 @@ def record(model: Any) -> Layout:
 
 
 def frozen_paths(model: Any, layout: Layout) -> list[str]:
-    """Every dataset path of the variables an optimizer would not get."""
-    paths = layout.paths_by_variable()
-    frozen = frozen_ids(model, model_vars(model, "save_weights"))
-    return [p for i in frozen for p in paths.get(i, [])]
+    """Every dataset path of the parameters (variables created trainable) that an
+    optimizer would not get: frozen, by their own flag or their layer's."""
+    params = {id(v) for layer in [model, *sublayers(model)] for v in layer._trainable_variables}
+    live = {id(v) for v in model.trainable_variables}
+    return [
+        path
+        for path, value in layout.datasets
+        if id(value) in params and id(value) not in live and isinstance(value, keras.Variable)
+    ]
 
 
 @dataclass(frozen=True)
@@ -189,8 +194,11 @@ def check(model: Any) -> SharingReport:
     """Every variable of ``model`` that Keras' ``save_weights`` would write several times."""
     layout = record(model)
     names: dict[int, list[str]] = {}
-    for v in model_vars(model, "check"):
-        names.setdefault(id(v.variable), []).append(v.name)
+    try:
+        for v in model_vars(model, "check"):
+            names.setdefault(id(v.variable), []).append(v.name)
+    except UnsupportedValueError:
+        pass  # a layer saves a computed value (LoRA): weightvault names none, Keras paths do
     values = {id(v): v for _, v in layout.datasets}
     out = []
     for ident, paths in layout.paths_by_variable().items():

@@ -43,8 +43,7 @@ def _bytes_of(value: Any, dtype: str) -> memoryview:
     return array_bytes(arr.astype(numpy_dtype(dtype), copy=False))
 
 
-def frozen_ids(model: Any, vs: list[Var]) -> set[int]:
-    """The ids of the variables an optimizer would not get: the frozen ones."""
+def _frozen_ids(model: Any, vs: list[Var]) -> set[int]:
     # What an optimizer would get decides; a non-trainable layer hides all its variables.
     live = {id(v) for v in model.trainable_variables}
     return {id(v.variable) for v in vs if v.is_param and id(v.variable) not in live}
@@ -74,7 +73,7 @@ def model_sources(obj: Any) -> tuple[list[Source], list[str]]:
             out.append(_source(name, arr, id(value), dtype, is_var and not value.trainable))
         return out, []
     vs = model_vars(obj, "save")
-    frozen = frozen_ids(obj, vs)
+    frozen = _frozen_ids(obj, vs)
     for v in vs:
         var = v.variable
         dtype = dtype_name(v.name, var.dtype)
