@@ -453,3 +453,41 @@ def test_background_save_keeps_the_values_of_the_call(
     assert np.array_equal(np_(fresh(X)), expected)
     second = wvk.save(model, tmp_path / "n.safetensors")  # a plain save after it
     assert second.file_bytes == os.path.getsize(tmp_path / "n.safetensors")
+
+
+# --- refusals --------------------------------------------------------------------------
+
+
+def test_unbuilt_models_and_assets_are_refused(tmp_path: Path) -> None:
+    unbuilt = keras.Sequential([layers.Dense(3)])
+    for verb in (wvk.save_weights, wvk.save_model):
+        with pytest.raises(weightvault.ModelNotBuiltError):
+            verb(unbuilt, tmp_path / "x")
+    with pytest.raises(weightvault.ModelNotBuiltError):
+        wvk.check(unbuilt)
+
+    class Vocabulary(layers.Layer):
+        """Keeps a file beside its weights, as TextVectorization does."""
+
+        def call(self, x: Any) -> Any:
+            return x
+
+        def save_assets(self, dir_path: str) -> None:
+            Path(dir_path, "vocabulary.txt").write_text("a\nb\n")
+
+    with_assets = keras.Sequential([keras.Input((2,)), layers.Dense(2), Vocabulary()])
+    with pytest.raises(weightvault.UnsupportedValueError, match="keep assets"):
+        wvk.save_model(with_assets, tmp_path / "v.keras")
+    assert not (tmp_path / "v.keras").exists()
+
+
+def test_convert_of_a_keras_file_plans_without_writing_and_takes_no_rules(tmp_path: Path) -> None:
+    model = tied_functional()
+    model.save_weights(tmp_path / "m.weights.h5")
+    dry = weightvault.convert(tmp_path / "m.weights.h5", tmp_path / "o.weights.h5", dry_run=True)
+    assert not (tmp_path / "o.weights.h5").exists() and dry.file_bytes == 0
+    assert len(dry.aliases) == 2 and dry.bytes_saved == 2 * KERNEL_BYTES
+    with pytest.raises(weightvault.RuleError, match="names are its layout"):
+        weightvault.convert(
+            tmp_path / "m.weights.h5", tmp_path / "o.weights.h5", rules=[("a", "b")]
+        )

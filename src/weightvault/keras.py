@@ -354,6 +354,7 @@ def save_model(
         295412
         >>> keras.models.load_model("model.keras")
     """
+    layout = _h5_layout(model, record(model), metadata)  # refuses an unbuilt model first
     assets = [str(layer.name) for layer in sublayers(model) if hasattr(layer, "save_assets")]
     if assets:
         raise UnsupportedValueError(
@@ -361,7 +362,6 @@ def save_model(
             "store; save this model with model.save()"
         )
     config, meta = saving_lib("_serialize_model_as_json")(model)
-    layout = _h5_layout(model, record(model), metadata)
     return save_model_archive(path, config, meta, layout)
 
 
