@@ -1,4 +1,4 @@
-"""Keras ``.weights.h5``: paths become names, hard links aliases, duplicates copies.
+"""Keras ``.weights.h5``: paths become names, hard links aliases, equal datasets duplicates.
 
 Files are built with h5py in Keras 3's layout (``layers/<name>/vars/<i>``, see
 seed-systems.md §3), and once with Keras itself when it is installed.
@@ -55,7 +55,7 @@ def keras_like(path: Path) -> dict[str, np.ndarray]:
     return expected
 
 
-def test_paths_become_names_with_aliases_and_copies(tmp_path: Path) -> None:
+def test_paths_become_names_with_aliases_and_duplicates(tmp_path: Path) -> None:
     path = tmp_path / "model.weights.h5"
     expected = keras_like(path)
     assert detect(path) == "hdf5"
@@ -66,7 +66,10 @@ def test_paths_become_names_with_aliases_and_copies(tmp_path: Path) -> None:
         dense = [n for n in ckpt.names if n.startswith("layers/dense/")]
         assert dense == ["layers/dense/vars/0", "layers/dense/vars/1"]
         assert ckpt.entry("layers/dense/vars/0").kind == "alias"  # of the Keras 3.0 path
-        assert ckpt.entry("layers/dense_1/vars/0").kind == "copy"
+        # Stored again in the file, so stored here too, and listed as equal to the first.
+        assert ckpt.entry("layers/dense_1/vars/0").kind == "stored"
+        equal = ckpt.manifest.duplicates["layers/dense_1/vars/0"]
+        assert ckpt.entry(equal).group == ckpt.entry("layers/dense/vars/0").group
     got = wvn.load_file(path)
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)

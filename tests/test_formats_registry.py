@@ -62,6 +62,22 @@ def _hdf5(path: Path) -> dict[str, np.ndarray]:
     return {f"layers/dense/{name}": a for name, a in ARRAYS.items()}
 
 
+def _keras(path: Path) -> dict[str, np.ndarray]:
+    """A ``.keras`` archive as Keras writes it: config, metadata, weights stored."""
+    import io
+    import zipfile
+
+    weights = io.BytesIO()
+    with h5py.File(weights, "w") as f:
+        for name, a in ARRAYS.items():
+            f.create_dataset(f"layers/dense/vars/{name}", data=a)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("metadata.json", json.dumps({"keras_version": "3.15.1"}))
+        z.writestr("config.json", json.dumps({"class_name": "Sequential", "config": {}}))
+        z.writestr("model.weights.h5", weights.getvalue())
+    return {f"layers/dense/vars/{name}": a for name, a in ARRAYS.items()}
+
+
 def _npy(path: Path) -> dict[str, np.ndarray]:
     with open(path, "wb") as f:
         np.save(f, ARRAYS["w"])
@@ -90,6 +106,7 @@ MAKERS: dict[str, Callable[[Path], dict[str, np.ndarray]]] = {
     "safetensors": _safetensors,
     "mxnet": _mxnet,
     "hdf5": _hdf5,
+    "keras": _keras,
     "npy": _npy,
     "torch": _torch_zip,
     "npz": _npz,

@@ -33,6 +33,8 @@ def test_keras_suite_passes_on_the_jax_backend():
             str(HERE / "test_cross_framework.py"),
             str(HERE / "test_vault_keras.py"),
             str(HERE / "test_keras_resume.py"),
+            str(HERE / "test_keras_files.py"),
+            str(HERE / "test_keras_hostile.py"),
         ],
         env=env,
         capture_output=True,

@@ -72,7 +72,18 @@ def test_keras_adapter_verbs_are_pinned():
     pytest.importorskip("keras")
     import weightvault.keras as wvk
 
-    assert wvk.__all__ == ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
+    assert wvk.__all__ == [
+        "check",
+        "freeze",
+        "load",
+        "load_file",
+        "load_model",
+        "save",
+        "save_model",
+        "save_weights",
+        "trainable",
+        "unfreeze",
+    ]
 
 
 def test_jax_adapter_verbs_are_pinned():

@@ -11,8 +11,11 @@ here and in :mod:`weightvault._keras`:
   Keras' auto-generated names (``dense_7``) count per process and are never used.
 * **Identity** is the ``Variable`` object: a variable that several layers hold is stored
   once, with every other name recorded as an alias, and is assigned once on load.
-* **Keras files**: ``load(model, "x.weights.h5")`` reads Keras' own files; their
-  per-layer duplicate copies are found by content.
+* **Keras files**: ``load(model, "x.weights.h5")`` and ``load(model, "x.keras")`` read
+  Keras' own files; their per-layer duplicate copies are found by content.
+  :func:`save_weights` and :func:`save_model` write Keras' own files, which Keras loads
+  natively, with each shared variable stored once (HDF5 hard links); :func:`check`
+  tells what Keras' own ``save_weights`` would write again.
 
 Example:
     >>> import keras, weightvault.keras as wvk
@@ -24,11 +27,13 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
-from ._base.background import SnapshotPool
-from ._base.errors import BackendNotInstalled, capped
+from ._base.background import SaveHandle, SnapshotPool
+from ._base.errors import BackendNotInstalled, UnsupportedValueError, capped
 
 try:
     import keras
@@ -44,49 +49,46 @@ from ._base.types import PathLike
 from ._file.arrays import entry_array
 from ._file.checkpoint import CheckpointSource
 from ._file.sharing import Source
-from ._keras import state as _keras_state
+from ._keras import config as _config, state as _keras_state
 from ._keras.files import as_ours
-from ._keras.sources import model_sources
+from ._keras.fill import fill
+from ._keras.internals import saving_lib, sublayers
+from ._keras.layout import (
+    Layout,
+    SharedVariable as SharedVariable,
+    SharingReport,
+    check as _check,
+    frozen_paths,
+    record,
+)
+from ._keras.sources import checkpoint_sources as checkpoint_sources, model_sources
 from ._keras.trainable import restore_flags, select, set_trainable
 from ._keras.walk import NAMES as NAMES, Var, model_vars
 from ._load.plan import LoadOptions, LoadPlan, RulesArg, Target, plan_load
 from ._load.steps import save_file, values_by_group
 from ._load.transforms import Transforms
-from ._load.values import read_values
 from .formats._registry import opened
+from .formats.keras_archive import read_json_members, save_model_archive
+from .formats.keras_h5 import Declared, H5Checkpoint
+from .formats.keras_write import H5Dataset, save_h5
 
-__all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
+__all__ = [
+    "check",
+    "freeze",
+    "load",
+    "load_file",
+    "load_model",
+    "save",
+    "save_model",
+    "save_weights",
+    "trainable",
+    "unfreeze",
+]
 
 #: The ``"format"`` written into ``__metadata__``.
 FRAMEWORK = "keras"
-
-
-def checkpoint_sources(
-    obj: Any,
-    *,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    rng: bool = False,
-    snapshot: SnapshotPool | None = None,
-) -> tuple[list[Source], list[str], dict[str, Any] | None]:
-    """Model, optimizer and RNG as sources plus the manifest's training section.
-
-    With ``snapshot`` (a background save), every variable that training can change (all
-    but frozen ones; on JAX all) is copied now, so the save writes the values of the call.
-    """
-    _keras_state.refuse_scheduler(scheduler)
-    sources, skipped = model_sources(obj)
-    if snapshot is not None:
-        # Keras' JAX train step donates every variable's buffer, frozen ones included, so
-        # there a live read could meet a deleted array: copy them all.
-        live_frozen = keras.backend.backend() != "jax"
-        sources = [s if s.frozen and live_frozen else s.copied() for s in sources]
-    if optimizer is None and not rng:
-        return sources, skipped, None
-    if isinstance(obj, Mapping):
-        raise TypeError("optimizer= and rng= need the Keras model, not a dict of variables")
-    extra, training = _keras_state.training_sources(obj, optimizer=optimizer, rng=rng)
-    return sources + extra, skipped, training
+#: The last background save; the next save waits for it.
+_pending: SaveHandle[SaveReport] | None = None
 
 
 def save(
@@ -99,7 +101,8 @@ def save(
     optimizer: Any = None,
     scheduler: Any = None,
     rng: bool = False,
-) -> SaveReport:
+    background: bool = False,
+) -> Any:
     """Save a built Keras model (or a dict of variables/arrays), every shared value once.
 
     A variable that several layers hold is written once; its other names become aliases.
@@ -122,17 +125,32 @@ def save(
             is saved with it. Passing one raises ``TypeError``.
         rng: Also store the Python, numpy, Keras ``SeedGenerator`` (global and each random
             layer's) and, on the PyTorch backend, torch RNG states.
+        background: Copy the values now and write in a thread; returns a
+            :class:`~weightvault.SaveHandle` whose ``wait()`` gives the report, so
+            training may change the variables at once. A second save waits for the first.
 
     Returns:
-        What was stored, aliased and copied, and the bytes saved.
+        What was stored, aliased and copied, and the bytes saved (a
+        :class:`~weightvault.SaveHandle` of it with ``background=True``).
 
     Example:
         >>> report = save(model, "model.safetensors")
         >>> report.aliases
         {'tied_1/shared_kernel': 'tied/shared_kernel'}
     """
-    found = checkpoint_sources(obj, optimizer=optimizer, scheduler=scheduler, rng=rng)
-    return save_file(path, found, FRAMEWORK, metadata, checksum, dedupe_copies)
+    global _pending
+    if _pending is not None:  # one save at a time, in order
+        _pending.settle()
+        _pending = None
+    snapshot = SnapshotPool() if background else None
+    found = checkpoint_sources(
+        obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
+    )
+    write = partial(save_file, path, found, FRAMEWORK, metadata, checksum, dedupe_copies)
+    if not background:
+        return write()
+    _pending = SaveHandle(write, f"save {os.fspath(path)}")
+    return _pending
 
 
 def load_file(
@@ -248,17 +266,16 @@ def _load(
 ) -> LoadReport:
     vs = model_vars(model, "load")
     with opened(path) as file:
-        ckpt = as_ours(file, vs)
+        label = file.region.label if isinstance(file, H5Checkpoint) else None
+        ckpt = as_ours(file, vs, label)
         lp = plan_load(ckpt, _targets(vs), options, type(model).__name__)
         _refuse_ties(lp, model)
         # Training state is read and checked before the first variable is assigned too.
         prepared = _keras_state.prepare(ckpt, model, lp, options, optimizer=optimizer, rng=rng)
         if options.verify:
             ckpt.verify(lp.reads())
-        values = read_values(ckpt, lp, lambda a: _numpy_dtype(a.dtype))
-    variables = {v.name: v.variable for v in vs}
-    for a, value in values:
-        variables[a.names[0]].assign(value)
+        variables = {v.name: v.variable for v in vs}
+        fill(ckpt, lp, variables, lambda a: _numpy_dtype(a.dtype))
     if restore_frozen:
         restore_flags(model, vs, lp.frozen)
         lp.report_frozen()
@@ -291,6 +308,122 @@ def _refuse_ties(lp: LoadPlan, model: Any) -> None:
             "to the layers when building the model, or load with tie=False (each "
             "variable is filled and reported as untied)."
         )
+
+
+# -- Keras' own files, each shared variable stored once ------------------------------------
+
+
+def save_weights(
+    model: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None
+) -> SaveReport:
+    """Write ``model``'s weights as Keras' own ``.weights.h5``, each variable once.
+
+    The file has exactly the groups, names and attributes of ``model.save_weights(path)``
+    (Keras' own save walk decides them, optimizer state included), and
+    ``model.load_weights(path)`` reads it natively. A variable several layers hold is
+    written once; its other paths are HDF5 hard links to it. The frozen variables and
+    your ``metadata`` go into a root attribute Keras ignores. Written atomically.
+
+    Returns:
+        Dataset paths ``stored`` and ``aliases`` (``{link: first path}``), and the bytes.
+
+    Example:
+        >>> report = save_weights(model, "model.weights.h5")   # 4 layers, 1 kernel
+        >>> report.aliases
+        {'layers/tied_1/vars/0': 'layers/tied/vars/0', ...}
+        >>> model.load_weights("model.weights.h5")             # Keras reads it as its own
+    """
+    return save_h5(path, *_h5_layout(model, record(model), metadata))
+
+
+def save_model(
+    model: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None
+) -> SaveReport:
+    """Write ``model`` as a ``.keras`` archive, its weights stored as :func:`save_weights`.
+
+    ``config.json`` and ``metadata.json`` are what ``model.save(path)`` writes (Keras'
+    own serializer makes them), so ``keras.models.load_model(path)`` opens the archive;
+    ``model.weights.h5`` holds each shared variable once.
+
+    Raises:
+        UnsupportedValueError: A layer keeps assets (a ``TextVectorization``
+            vocabulary), which this writer does not store; use ``model.save``.
+
+    Example:
+        >>> save_model(model, "model.keras").file_bytes
+        295412
+        >>> keras.models.load_model("model.keras")
+    """
+    layout = _h5_layout(model, record(model), metadata)  # refuses an unbuilt model first
+    assets = [str(layer.name) for layer in sublayers(model) if hasattr(layer, "save_assets")]
+    if assets:
+        raise UnsupportedValueError(
+            f"{capped(assets)} keep assets (vocabulary files) that save_model does not "
+            "store; save this model with model.save()"
+        )
+    config, meta = saving_lib("_serialize_model_as_json")(model)
+    return save_model_archive(path, config, meta, layout)
+
+
+def _h5_layout(
+    model: Any, layout: Layout, metadata: Mapping[str, str] | None
+) -> tuple[list[tuple[str, dict[str, Any]]], list[H5Dataset], Declared]:
+    """Keras' layout as the HDF5 writer takes it: each variable's later paths linked."""
+    datasets = [
+        H5Dataset(path, partial(keras.ops.convert_to_numpy, value), link_to=first)
+        for path, value, first in layout.linked()
+    ]
+    declared = Declared(frozen=frozen_paths(model, layout), metadata=dict(metadata or {}))
+    return layout.groups, datasets, declared
+
+
+def check(model: Any) -> SharingReport:
+    """The guardrail: every variable several layers hold, and what Keras writes again.
+
+    Keras' ``save_weights`` and ``model.save`` write such a variable once per layer;
+    :func:`save_weights` and :func:`save_model` write it once.
+
+    Returns:
+        ``shared``, one :class:`SharedVariable` each (weightvault names, Keras' dataset
+        paths, dtype, shape, bytes), and ``extra_bytes`` in all; ``str()`` of it reads.
+
+    Example:
+        >>> report = check(model)
+        >>> report.extra_bytes, report.shared[0].names
+        (786432, ('tied/kernel', 'tied_1/kernel', 'tied_2/kernel', 'tied_3/kernel'))
+    """
+    return _check(model)
+
+
+def load_model(
+    path: PathLike,
+    *,
+    custom_objects: Mapping[str, Any] | None = None,
+    safe_mode: bool = True,
+    compile: bool = True,
+    verify: bool = False,
+) -> Any:
+    """Build the model a ``.keras`` archive describes and load its weights, streamed.
+
+    The config is vetted first: a ``Lambda`` layer or a class that is not Keras' own is
+    refused unless named in ``custom_objects`` (or ``safe_mode=False``), since building
+    it would run code from the file. The weights are then loaded as :func:`load` does,
+    one variable at a time (``keras.models.load_model`` reads the whole weights file
+    into memory first). Optimizer state in the archive is not restored.
+
+    Raises:
+        FormatError: The archive is refused (path traversal, a zip bomb, bad links), or
+            its config asks for code the caller did not allow (naming the object).
+
+    Example:
+        >>> model = load_model("model.keras")
+    """
+    config, _ = read_json_members(path)
+    where = f"{os.fspath(path)} (member 'config.json')"
+    _config.vet(config, where, custom_objects, safe_mode)
+    model = saving_lib("_model_from_config")(config, custom_objects, compile, safe_mode)
+    load(model, path, verify=verify)
+    return model
 
 
 def freeze(model: Any, *patterns: str) -> list[str]:

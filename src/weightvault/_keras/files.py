@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .._base.errors import FormatError
 from .._file.checkpoint import Checkpoint
 from .._file.header import TensorInfo
 from .._file.manifest import Manifest, View
@@ -71,17 +72,26 @@ class Renamed(Checkpoint):
     def check(self, stored: str) -> bool:
         return self._inner.check(self._back[stored])
 
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        return self._inner.read_into(self._back[stored], buffer)
 
-def as_ours(ckpt: Checkpoint, vs: list[Var]) -> Checkpoint:
+
+def as_ours(ckpt: Checkpoint, vs: list[Var], label: str | None = None) -> Checkpoint:
     """Read a Keras-written file (``layers/dense/vars/0``) under the target's names.
 
     Keras matches its files by these paths, computed on the target model; so do we. The
-    optimizer's state is not for the model and is dropped.
+    optimizer's state is not for the model and is dropped. ``label`` names the file (or
+    archive member) in messages.
+
+    Raises:
+        FormatError: One dataset, through hard links, stands for variables of different
+            shapes.
     """
     ours = {v.name for v in vs}
     names = ckpt.names
     if any(n in ours for n in names) or not any(KERAS_FILE_NAME.search(n) for n in names):
         return ckpt
+    _check_links(ckpt, vs, label or ckpt.path)
     mapping: dict[str, str | None] = {}
     for n in names:
         if n.startswith("optimizer/"):
@@ -94,3 +104,25 @@ def as_ours(ckpt: Checkpoint, vs: list[Var]) -> Checkpoint:
         if n.startswith("/") and n[1:] in mapping:
             mapping[n] = mapping[n[1:]]
     return Renamed(ckpt, mapping)
+
+
+def _check_links(ckpt: Checkpoint, vs: list[Var], where: str) -> None:
+    """Refuse a dataset whose hard links put it where the model holds different shapes.
+
+    Such a file was crafted or damaged: Keras never links one dataset to two shapes.
+    """
+    by_path = {v.keras_name: v for v in vs if v.keras_name}
+    seen: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for n in ckpt.names:
+        v = by_path.get(n.lstrip("/"))
+        if v is None:
+            continue
+        shape = tuple(v.variable.shape)
+        first, first_shape = seen.setdefault(ckpt.entry(n).group, (n, shape))
+        if first_shape != shape:
+            raise FormatError(
+                f"{where}: dataset {first!r} is hard-linked as {n!r}, where this model holds "
+                f"a {list(shape)} variable, but at {first!r} a {list(first_shape)} one: one "
+                "dataset cannot stand for tensors of different shapes. The file is damaged "
+                "or crafted; save the weights again"
+            )

@@ -56,6 +56,16 @@ if not hasattr(keras.layers.Layer, "_flatten_layers"):
     raise _changed("keras.layers.Layer._flatten_layers")
 
 
+def saving_lib(name: str) -> Any:
+    """A private function or class of Keras' ``saving_lib``, looked up when first needed.
+
+    Only ``save_weights``, ``save_model`` and ``load_model`` need these (Keras' own save
+    walk, its store class, its config writer and reader), so a Keras without one of them
+    fails those calls, with :class:`KerasInternalsChanged`, and nothing else.
+    """
+    return _lookup("keras.src.saving.saving_lib", name)
+
+
 def walk_saveable(obj: Any) -> list[tuple[str, Any]]:
     """``(attribute, child)`` pairs Keras' saving visits below ``obj``, in its order."""
     return list(_walk_saveable(obj))

@@ -13,9 +13,11 @@ from typing import Any
 import keras
 import numpy as np
 
+from .._base.background import SnapshotPool
 from .._base.dtypes import ITEMSIZE, numpy_dtype
 from .._file.arrays import array_bytes
 from .._file.sharing import Source
+from . import state as _keras_state
 from .walk import Var, dtype_name, model_vars
 
 
@@ -77,3 +79,31 @@ def model_sources(obj: Any) -> tuple[list[Source], list[str]]:
         dtype = dtype_name(v.name, var.dtype)
         out.append(_source(v.name, var, id(var), dtype, id(var) in frozen))
     return out, []
+
+
+def checkpoint_sources(
+    obj: Any,
+    *,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    rng: bool = False,
+    snapshot: SnapshotPool | None = None,
+) -> tuple[list[Source], list[str], dict[str, Any] | None]:
+    """Model, optimizer and RNG as sources plus the manifest's training section.
+
+    With ``snapshot`` (a background save), every variable that training can change (all
+    but frozen ones; on JAX all) is copied now, so the save writes the values of the call.
+    """
+    _keras_state.refuse_scheduler(scheduler)
+    sources, skipped = model_sources(obj)
+    if snapshot is not None:
+        # Keras' JAX train step donates every variable's buffer, frozen ones included, so
+        # there a live read could meet a deleted array: copy them all.
+        live_frozen = keras.backend.backend() != "jax"
+        sources = [s if s.frozen and live_frozen else s.copied() for s in sources]
+    if optimizer is None and not rng:
+        return sources, skipped, None
+    if isinstance(obj, Mapping):
+        raise TypeError("optimizer= and rng= need the Keras model, not a dict of variables")
+    extra, training = _keras_state.training_sources(obj, optimizer=optimizer, rng=rng)
+    return sources + extra, skipped, training

@@ -155,6 +155,12 @@ def model_vars(model: Any, verb: str) -> list[Var]:
         TypeError: ``model`` is no Keras layer.
         ModelNotBuiltError: It has no variables yet.
     """
+    require_built(model, verb)
+    return walk(model)
+
+
+def require_built(model: Any, verb: str) -> None:
+    """Refuse what is not a built Keras model or layer (see :func:`model_vars`)."""
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"{verb}() takes a Keras model or layer, not {type(model).__name__}")
     if not model.built:
@@ -163,7 +169,6 @@ def model_vars(model: Any, verb: str) -> list[Var]:
             "build it first, for example with model.build(input_shape) or by calling it "
             "on a batch"
         )
-    return walk(model)
 
 
 def walk(model: Any) -> list[Var]:

@@ -34,13 +34,21 @@ def read_values(
         FormatError: The file was truncated while it was read.
     """
     bases: dict[str, memoryview] = {}
-    out = []
-    for a in plan.assignments:
-        value = read_array(ckpt, ckpt.entry(a.source), bases)
-        if a.transform is not None:
-            value = np.ascontiguousarray(value.transpose(a.transform.axes_for(value.ndim)))
-        want = dtype_of(a) if a.cast else None
-        if want is not None:
-            value = value.astype(want)
-        out.append((a, value))
-    return out
+    return [(a, read_value(ckpt, a, bases, dtype_of)) for a in plan.assignments]
+
+
+def read_value(
+    ckpt: Checkpoint,
+    a: Assignment,
+    bases: dict[str, memoryview],
+    dtype_of: Callable[[Assignment], Any],
+) -> Any:
+    """A fresh C-contiguous array of the value assignment ``a`` copies, transformed and
+    converted as :func:`read_values` does; ``bases`` keeps stored tensors views read."""
+    value = read_array(ckpt, ckpt.entry(a.source), bases)
+    if a.transform is not None:
+        value = np.ascontiguousarray(value.transpose(a.transform.axes_for(value.ndim)))
+    want = dtype_of(a) if a.cast else None
+    if want is not None:
+        value = value.astype(want)
+    return value

@@ -9,6 +9,12 @@ and views the source records are kept. Copies are found by content: stored under
 name by default, so plain safetensors readers see them all, or stored once with
 ``dedupe_copies=True``, so a Gluon file saved with four copies of one layer is written
 with one.
+
+A Keras ``.weights.h5`` or ``.keras`` converted to a name ending in ``.h5`` or ``.keras``
+stays a Keras file, which Keras still loads: each variable Keras wrote once per layer is
+stored once, the other paths hard links to it (:mod:`weightvault.formats.keras_write`
+says how equal datasets are told apart); equal constant datasets stay separate unless
+``dedupe_copies``. ``rules`` and ``checksum`` do not apply there.
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ from .._file.layout import is_training
 from .._file.sharing import Source
 from .._load import rules as _rules
 from .._training.state import stored_name
-from ..formats._registry import opened
+from ..formats._registry import detect, opened
+
+#: Keras' own formats, which convert rewrites as Keras files when the target is one too.
+KERAS_KINDS = ("hdf5", "keras")
+KERAS_TARGETS = (".h5", ".keras")
 
 
 def _sources(ckpt: Checkpoint, rules: _rules.Rules) -> tuple[list[Source], list[str]]:
@@ -125,11 +135,11 @@ def convert(
     source shares stay shared. Tensors with equal dtype, shape and bytes (copies) are
     written under every name, so plain safetensors readers see each one; with
     ``dedupe_copies`` they are stored once and recorded as copies, and weightvault gives
-    every name its own tensor again on load.
+    every name its own tensor again on load. A Keras file stays one (see the module).
 
     Args:
         src: The file to convert: MXNet ``.params``, torch ``.pt``/``.bin``, Keras
-            ``.weights.h5``, numpy ``.npz`` or safetensors, recognised by its bytes.
+            ``.weights.h5``/``.keras``, ``.npz`` or safetensors, recognised by its bytes.
         dst: Where to write; replaced atomically.
         rules: ``(pattern, replacement)`` renames, such as
             :data:`weightvault.rules.MXNET_PREFIXES`.
@@ -157,6 +167,8 @@ def convert(
         (6, 66560, 16640)
     """
     checked = _rules.check(rules)
+    if (kept := _keras_file(src, dst, checked, dedupe_copies, dry_run)) is not None:
+        return kept
     with opened(src) as ckpt:
         _budget_views(ckpt, max_bytes)
         return rewrite(
@@ -168,6 +180,25 @@ def convert(
             checksum=checksum,
             dedupe_copies=dedupe_copies,
         )
+
+
+def _keras_file(
+    src: PathLike | Checkpoint, dst: PathLike, rules: _rules.Rules, dedupe: bool, dry_run: bool
+) -> SaveReport | None:
+    """A Keras file rewritten as a Keras file, if both names say Keras (else ``None``)."""
+    if isinstance(src, Checkpoint) or not os.fspath(dst).lower().endswith(KERAS_TARGETS):
+        return None
+    kind = detect(src)
+    if kind not in KERAS_KINDS:
+        return None
+    if rules:
+        raise RuleError(
+            f"{os.fspath(src)}: rules cannot rename the datasets of a Keras file, whose "
+            "names are its layout; convert to a .safetensors name to rename"
+        )
+    from ..formats.keras_archive import rewrite_keras
+
+    return rewrite_keras(src, dst, kind, dedupe_copies=dedupe, dry_run=dry_run)
 
 
 def _budget_views(ckpt: Checkpoint, max_bytes: int | None) -> None:

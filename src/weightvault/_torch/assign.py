@@ -78,7 +78,7 @@ def _assign(
     ckpt: Checkpoint, a: Assignment, tensors: dict[str, torch.Tensor], *, mmap: bool
 ) -> None:
     target = tensors[a.names[0]]
-    if not mmap and a.transform is None and _read_direct(ckpt, a.source, target):
+    if not mmap and a.transform is None and read_direct(ckpt, a.source, target):
         return
     source = read_tensor(ckpt, a.source, mmap=mmap)
     if a.transform is not None:
@@ -95,7 +95,7 @@ def _assign_quietly(ckpt: Checkpoint, a: Assignment, tensors: dict[str, torch.Te
         _assign(ckpt, a, tensors, mmap=False)
 
 
-def _read_direct(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
+def read_direct(ckpt: Checkpoint, name: str, target: torch.Tensor) -> bool:
     """Read the bytes of ``name`` straight into ``target`` if the layouts allow it.
 
     One ``preadv`` from the page cache into the parameter's memory is several times

@@ -12,6 +12,7 @@ torch           zip holding ``<name>/data.pkl`` (``torch.save``)      :mod:`.tor
 pickle          ``\\x80`` + protocol (legacy ``torch.save``, pickle)    :mod:`.torch_pickle`
 npz / npy       zip of ``*.npy`` members / ``\\x93NUMPY``               :mod:`.npz`
 hdf5            ``\\x89HDF\\r\\n\\x1a\\n`` (Keras ``.weights.h5``)          :mod:`.keras_h5`
+keras           zip holding ``config.json`` and ``model.weights.h5``  :mod:`.keras_archive`
 ==============  ====================================================  ======================
 
 Example:

@@ -11,7 +11,7 @@ which opens a real file of every row through :func:`open_any`).
 
 Example:
     >>> [f.name for f in FORMATS]
-    ['safetensors', 'mxnet', 'hdf5', 'npy', 'torch', 'npz', 'pickle']
+    ['safetensors', 'mxnet', 'hdf5', 'keras', 'npy', 'torch', 'npz', 'pickle']
 """
 
 from __future__ import annotations
@@ -108,6 +108,12 @@ def _is_hdf5(head: Head) -> bool:
     return head.first.startswith(HDF5_MAGIC)
 
 
+def _is_keras(head: Head) -> bool:
+    """A zip holding ``config.json`` and the weights, as ``model.save("x.keras")`` writes."""
+    names = set(head.zip_names)
+    return "config.json" in names and bool(names & {"model.weights.h5", "model.weights.npz"})
+
+
 def _is_npy(head: Head) -> bool:
     """A single ``.npy`` array."""
     return head.first.startswith(NPY_MAGIC)
@@ -163,11 +169,18 @@ def _open_keras_h5(path: str, limit: int | None) -> Checkpoint:
     return open_keras_h5(path, max_decoded_bytes=limit)
 
 
+def _open_keras(path: str, limit: int | None) -> Checkpoint:
+    from .keras_archive import open_keras_archive
+
+    return open_keras_archive(path, max_decoded_bytes=limit)
+
+
 #: Every format, in the order :func:`detect` tries them.
 FORMATS: tuple[Format, ...] = (
     Format("safetensors", _is_safetensors, _open_safetensors),
     Format("mxnet", _is_mxnet, _open_mxnet),
     Format("hdf5", _is_hdf5, _open_keras_h5),
+    Format("keras", _is_keras, _open_keras),
     Format("npy", _is_npy, _open_npz),
     Format("torch", _is_torch_zip, _open_torch),
     Format("npz", _is_npz, _open_npz),
@@ -184,7 +197,8 @@ def detect(path: PathLike) -> str:
     Returns:
         One of ``"safetensors"``, ``"mxnet"``, ``"torch"`` (``torch.save`` zip),
         ``"pickle"`` (legacy ``torch.save`` or a plain pickle), ``"npz"``, ``"npy"``,
-        ``"hdf5"`` (Keras ``.weights.h5``), or ``"unknown"``.
+        ``"hdf5"`` (Keras ``.weights.h5``), ``"keras"`` (a ``.keras`` archive), or
+        ``"unknown"``.
 
     Raises:
         OSError: The file cannot be read.
@@ -255,7 +269,7 @@ def open_any(path: PathLike, *, max_decoded_bytes: int | None = None) -> Checkpo
     if kind == "unknown":
         raise FormatError(
             f"{os.fspath(path)}: not a checkpoint format weightvault reads (safetensors, MXNet "
-            ".params, torch .pt/.bin, Keras .weights.h5, numpy .npz); check the file is "
+            ".params, torch .pt/.bin, Keras .weights.h5 and .keras, numpy .npz); check the file is "
             "complete, or convert it with the framework that wrote it"
         )
     return open_kind(path, kind, max_decoded_bytes)

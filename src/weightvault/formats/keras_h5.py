@@ -3,17 +3,26 @@
 Every dataset becomes a name: its HDF5 path, such as ``layers/dense/vars/0``. Groups are
 walked with numeric keys in numeric order (``vars/2`` before ``vars/10``), the order
 Keras wrote them. A dataset reachable through two hard links is one object, so its
-second path becomes an alias; Keras's duplicate datasets (one variable shared by two
-layers is written once per layer) hold equal bytes and become copies.
+second path becomes an alias (that is how :func:`weightvault.keras.save_weights` stores
+a variable several layers hold). Keras's own duplicate datasets (one variable shared by
+two layers is written once per layer) hold equal bytes: they stay stored, and are listed
+as *duplicates*, so ``inspect`` tells which datasets are equal and what deduplicating
+them would save.
 
-Contiguous, unfiltered datasets are slices of a read-only file map; chunked or
-compressed ones are read through h5py, after their size is checked against the bytes
-they occupy and charged to the file's :class:`~weightvault._base.limits.DecodeBudget` (so 300
+A file weightvault wrote carries its manifest in the root attribute ``weightvault``
+(JSON, ignored by Keras): the frozen datasets, the hard-linked datasets that are copies
+(separate variables stored once by ``convert --dedupe-copies``), and your metadata.
+
+Contiguous, unfiltered datasets are read with ``preadv`` straight from the file (a load
+touches no mapping, so its memory stays that of one variable); chunked or compressed
+ones are decoded through h5py, after their size is checked against the bytes they
+occupy and charged to the file's :class:`~weightvault._base.limits.DecodeBudget` (so 300
 unwritten datasets cannot add up to gigabytes). A group reachable through two paths is
 refused, so groups hard-linked into each other cannot multiply the paths walked (2**21
-from a few kB); a dataset reachable through two paths is an alias, as above.
+from a few kB), and a group that contains itself is a link cycle.
 
-Nothing but the given file is ever read. Refused, before any data is read:
+Nothing but the given file (or the archive member given) is ever read. Refused, before
+any data is read:
 
 * external links, and datasets with EXTERNAL raw storage (their bytes live in other
   files, which HDF5 would open by name);
@@ -32,16 +41,24 @@ Keras writes them) read as bfloat16.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import mmap
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .._base.dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, MAX_DIMS, NUMPY_NATIVE, numel
 from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
 from .._base.types import PathLike
-from .._file.sharing import Source
-from ._common import ForeignCheckpoint, build, check_shape, decoding, map_file, need
+from .._file.checkpoint import read_fully
+from .._file.manifest import Manifest
+from .._file.sharing import Source, plan
+from ._common import ForeignCheckpoint, check_shape, check_tensor, decoding, map_file, need
 
 #: A chunked dataset may decompress to at most this multiple of the bytes it occupies
 #: (deflate tops out near 1032:1), plus a small allowance for never-written fill values.
@@ -53,9 +70,135 @@ FIX = "the file is damaged or was not written by Keras; save the weights again"
 #: Fletcher-32, n-bit, scale-offset, LZF.
 FILTERS = {1: "deflate", 2: "shuffle", 3: "fletcher32", 5: "nbit", 6: "scaleoffset", 32000: "lzf"}
 ONLY_THIS_FILE = "weightvault reads no file but the one given"
+#: The root attribute holding weightvault's manifest; Keras reads no attribute of the root.
+MANIFEST_ATTR = "weightvault"
+MANIFEST_VERSION = 1
+#: The largest manifest attribute read (a Keras model's names fit many times over).
+MAX_MANIFEST = 64 << 20
 
 
-def open_keras_h5(path: PathLike, *, max_decoded_bytes: int | None = None) -> ForeignCheckpoint:
+@dataclass
+class Declared:
+    """What weightvault's manifest attribute says about a file's datasets."""
+
+    frozen: list[str] = field(default_factory=list)
+    copies: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        doc = {
+            "version": MANIFEST_VERSION,
+            "frozen": self.frozen,
+            "copies": self.copies,
+            "metadata": self.metadata,
+        }
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where the HDF5 bytes are: the whole file, or one member of an archive.
+
+    Attributes:
+        path: The file on disk.
+        start: Offset of the HDF5 file's first byte in it.
+        size: Length of the HDF5 file.
+        label: How messages name it (the file, or ``archive (member '...')``).
+        inflated: The member's bytes, when it was compressed (then read from memory).
+    """
+
+    path: str
+    start: int
+    size: int
+    label: str
+    inflated: bytes | None = None
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[Any]:
+        """What h5py opens: the path, or a read-only file object over the region."""
+        if self.inflated is not None:
+            yield io.BytesIO(self.inflated)
+        elif self.start == 0 and self.size == os.path.getsize(self.path):
+            yield self.path
+        else:
+            with Window(self.path, self.start, self.size) as w:
+                yield w
+
+
+class Window(io.RawIOBase):
+    """Bytes ``[start, start + size)`` of a file as a read-only file of their own.
+
+    h5py reads an archive member through it; nothing outside the window can be read,
+    so offsets in a crafted HDF5 member cannot reach the rest of the archive.
+    """
+
+    def __init__(self, path: str, start: int, size: int) -> None:
+        super().__init__()
+        self._file = io.FileIO(path, "rb")
+        self._start, self._size, self._pos = start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(view.nbytes, self._size - self._pos))
+        got = os.preadv(self._file.fileno(), [view[:n]], self._start + self._pos) if n else 0
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+class H5Checkpoint(ForeignCheckpoint):
+    """A Keras HDF5 file as a checkpoint; contiguous datasets are read with ``preadv``."""
+
+    def __init__(
+        self,
+        region: Region,
+        arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]],
+        manifest: Manifest,
+        offsets: dict[str, int],
+        keep: mmap.mmap | None,
+        declared: Declared | None = None,
+    ) -> None:
+        super().__init__(region.path, arrays, manifest, "keras", keep)
+        self.region = region
+        #: weightvault's manifest attribute, ``None`` for a file Keras wrote.
+        self.declared = declared
+        self._offsets = offsets
+        self._file: io.FileIO | None = io.FileIO(region.path, "rb") if offsets else None
+
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        at = self._offsets.get(stored)
+        if at is None or buffer.nbytes != self.stored[stored].nbytes:
+            return False
+        if self._file is None:
+            raise FormatError(f"{self.path}: dataset {stored!r}: the file is closed")
+        read_fully(self._file.fileno(), buffer, at, self.region.label, stored)
+        return True
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        super().close()
+
+
+def open_keras_h5(path: PathLike, *, max_decoded_bytes: int | None = None) -> H5Checkpoint:
     """Open a Keras ``.weights.h5`` file as a checkpoint named by dataset paths.
 
     Args:
@@ -74,82 +217,231 @@ def open_keras_h5(path: PathLike, *, max_decoded_bytes: int | None = None) -> Fo
         >>> ckpt.names[:2]
         ['layers/dense/vars/0', 'layers/dense/vars/1']
     """
-    h5py = need("h5py", "reading Keras .weights.h5 files")
     where = os.fspath(path)
     mm, size = map_file(where)
     budget = DecodeBudget(where, size, max_decoded_bytes)
-    try:
-        f = h5py.File(where, "r")
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{where}: not a readable HDF5 file ({str(e)[:120]}); {FIX}") from None
-    buf = memoryview(mm) if mm is not None else memoryview(b"")
-    sources: list[Source] = []
-    try:
-        _walk(h5py, f, "", [], sources, buf, where, budget)
-    except FormatError:
-        raise
-    except Exception as e:  # h5py raises OSError, KeyError, RuntimeError on bad files
-        raise FormatError(
-            f"{where}: HDF5 error while reading ({type(e).__name__}: {str(e)[:120]}); {FIX}"
-        ) from None
-    finally:
-        f.close()
+    return read_region(Region(where, 0, size, where), mm, budget)
+
+
+def read_region(region: Region, mm: mmap.mmap | None, budget: DecodeBudget) -> H5Checkpoint:
+    """Read the HDF5 file in ``region`` of the mapped file ``mm`` (see the module)."""
+    h5py = need("h5py", "reading Keras .weights.h5 files")
+    where = region.label
+    if region.inflated is not None:
+        buf, mm = memoryview(region.inflated), None
+    else:
+        whole = memoryview(mm) if mm is not None else memoryview(b"")
+        buf = whole[region.start : region.start + region.size]
+    reader = _Reader(h5py, buf, region, budget)
+    with region.open() as source:
+        try:
+            f = h5py.File(source, "r")
+        except (OSError, ValueError) as e:
+            raise FormatError(
+                f"{where}: not a readable HDF5 file ({str(e)[:120]}); {FIX}"
+            ) from None
+        try:
+            reader.walk(f, "", [])
+            declared = read_declared(f, where, budget, {s.name for s in reader.out})
+        except FormatError:
+            raise
+        except Exception as e:  # h5py raises OSError, KeyError, RuntimeError on bad files
+            raise FormatError(
+                f"{where}: HDF5 error while reading ({type(e).__name__}: {str(e)[:120]}); {FIX}"
+            ) from None
+        finally:
+            f.close()
     with decoding(where, FIX):
-        return build(where, sources, "keras", keep=mm)
+        return _build(region, reader, declared, mm)
+
+
+def _build(
+    region: Region, reader: _Reader, declared: Declared | None, mm: mmap.mmap | None
+) -> H5Checkpoint:
+    """Plan the datasets as a save without ``dedupe_copies`` would: equal ones stay stored
+    and are listed as duplicates, except the copies the manifest declares."""
+    mine = declared
+    declared = declared or Declared()
+    frozen = set(declared.frozen)
+    sources = []
+    for s in reader.out:
+        check_tensor(region.label, s.name, s.dtype, s.shape)
+        identity = ("copy", s.name) if s.name in declared.copies else s.identity
+        sources.append(Source(s.name, s.dtype, s.shape, identity, s.data, s.name in frozen))
+    p = plan(sources, dedupe_copies=False)
+    for name in declared.copies:
+        if name in p.duplicates:  # stored once in the file: a copy, not a second tensor
+            p.copies[name] = p.duplicates.pop(name)
+    p.stored = [s for s in p.stored if s.name not in p.copies]
+    arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]] = {
+        s.name: (s.dtype, s.shape, reader.views[s.name] if s.name in reader.views else s.data())
+        for s in p.stored
+    }
+    offsets = {n: at for n, at in reader.offsets.items() if n in arrays}
+    manifest = p.manifest(declared.metadata, ours=False)
+    return H5Checkpoint(region, arrays, manifest, offsets, mm, mine)
+
+
+def read_declared(f: Any, where: str, budget: DecodeBudget, names: set[str]) -> Declared | None:
+    """weightvault's manifest attribute of an open HDF5 file (``None`` if it has none),
+    validated against the dataset ``names``.
+
+    Raises:
+        FormatError: The attribute is not the JSON weightvault writes, or names a dataset
+            the file does not hold.
+    """
+    if MANIFEST_ATTR not in f.attrs:
+        return None
+    raw = f.attrs[MANIFEST_ATTR]
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "replace")
+    if not isinstance(raw, str) or len(raw) > MAX_MANIFEST:
+        raise FormatError(f"{where}: the attribute {MANIFEST_ATTR!r} is not a JSON string; {FIX}")
+    budget.charge(f"the attribute {MANIFEST_ATTR!r}", len(raw))
+    bad = FormatError(f"{where}: the attribute {MANIFEST_ATTR!r} is not weightvault's; {FIX}")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad from None
+    if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
+        raise bad
+    frozen, copies, metadata = doc.get("frozen", []), doc.get("copies", {}), doc.get("metadata", {})
+    if not (
+        isinstance(frozen, list)
+        and isinstance(copies, dict)
+        and isinstance(metadata, dict)
+        and all(isinstance(v, str) for v in [*frozen, *copies.values(), *metadata.values()])
+    ):
+        raise bad
+    unknown = [n for n in [*frozen, *copies, *copies.values()] if n not in names]
+    if unknown:
+        raise FormatError(
+            f"{where}: the attribute {MANIFEST_ATTR!r} names {unknown[0][:120]!r}, which is "
+            f"no dataset of the file; {FIX}"
+        )
+    return Declared(frozen, copies, metadata)
 
 
 def _order(key: str) -> tuple[int, int, str]:
     return (0, int(key), "") if key.isdigit() else (1, 0, key)
 
 
-def _object_key(h5py: Any, obj: Any) -> Hashable:
+def object_key(h5py: Any, obj: Any) -> Hashable:
+    """What identifies an HDF5 object, whichever path reached it."""
     info = h5py.h5o.get_info(obj.id)
     token = getattr(info, "token", None)
     return ("token", bytes(token)) if token is not None else ("addr", info.addr)
 
 
-def _walk(
-    h5py: Any,
-    group: Any,
-    prefix: str,
-    ancestors: list[Hashable],
-    out: list[Source],
-    buf: memoryview,
-    where: str,
-    budget: DecodeBudget,
-    groups: dict[Hashable, str] | None = None,
-) -> None:
-    groups = {} if groups is None else groups
-    if len(ancestors) > MAX_DIMS:
-        raise FormatError(f"{where}: groups nested over {MAX_DIMS} deep at {prefix!r}; {FIX}")
+class _Reader:
+    """One walk of a file: every dataset as a source, and where each contiguous one lies."""
+
+    def __init__(self, h5py: Any, buf: memoryview, region: Region, budget: DecodeBudget) -> None:
+        self.h5py, self.buf, self.region, self.budget = h5py, buf, region, budget
+        self.where = region.label
+        self.out: list[Source] = []
+        self.offsets: dict[str, int] = {}  # dataset name -> absolute offset in the file
+        self.views: dict[str, memoryview] = {}  # dataset name -> its bytes in the map
+        self.groups: dict[Hashable, str] = {}
+
+    def read(self, name: str, at: int, n: int) -> memoryview:
+        """A private copy of a contiguous dataset's bytes, read with ``preadv``."""
+        buffer = memoryview(bytearray(n))
+        with open(self.region.path, "rb", buffering=0) as f:
+            read_fully(f.fileno(), buffer, at, self.where, name)
+        return buffer
+
+    def walk(self, group: Any, prefix: str, ancestors: list[Hashable]) -> None:
+        where = self.where
+        if len(ancestors) > MAX_DIMS:
+            raise FormatError(f"{where}: groups nested over {MAX_DIMS} deep at {prefix!r}; {FIX}")
+        for key in sorted(checked_keys(group, prefix, where), key=_order):
+            name = f"{prefix}{key}"
+            self.budget.charge_name(name)
+            obj = hard_link(self.h5py, group, key, name, where)
+            ident = object_key(self.h5py, obj)
+            if isinstance(obj, self.h5py.Group):
+                if ident in ancestors:
+                    raise FormatError(f"{where}: group {name!r} contains itself (a link cycle)")
+                if ident in self.groups:
+                    raise FormatError(
+                        f"{where}: group {name!r} is also linked as {self.groups[ident]!r}; a "
+                        "group linked twice makes every path under it twice, which Keras "
+                        f"never does. {FIX}"
+                    )
+                self.groups[ident] = name
+                self.walk(obj, f"{name}/", [*ancestors, ident])
+            elif isinstance(obj, self.h5py.Dataset):
+                if len(self.out) >= MAX_DATASETS:
+                    raise FormatError(f"{where}: more than {MAX_DATASETS} datasets; {FIX}")
+                self.out.append(self.dataset(obj, name, ident))
+
+    def dataset(self, ds: Any, name: str, ident: Hashable) -> Source:
+        np = need("numpy", "reading Keras .weights.h5 files")
+        where = self.where
+        check_storage(self.h5py, ds, name, where)
+        dtype = dataset_dtype(ds, name, where)
+        shape = check_shape(where, name, ds.shape)
+        n = numel(shape) * ITEMSIZE[dtype]
+        little = ds.dtype.byteorder in ("<", "=", "|") or ds.dtype.itemsize == 1
+        offset = ds.id.get_offset() if ds.chunks is None and ds.compression is None else None
+        if offset is not None and little and n and offset + n <= self.buf.nbytes:
+            # Zero-copy: the bytes are in the file exactly as safetensors wants them.
+            view = self.views[name] = self.buf[offset : offset + n]
+            if self.region.inflated is None:
+                self.offsets[name] = at = self.region.start + offset
+                # Finding duplicates reads through preadv, never the map: nothing of the
+                # file stays in the process' memory, and a file truncated meanwhile is a
+                # FormatError, not a SIGBUS.
+                return Source(name, dtype, shape, ident, partial(self.read, name, at, n))
+            return Source(name, dtype, shape, ident, lambda: view)
+        stored = ds.id.get_storage_size()
+        if n > MAX_RATIO * stored + FILL_ALLOWANCE:
+            raise FormatError(
+                f"{where}: dataset {name!r} is {dtype}{list(shape)} ({n} bytes) but occupies "
+                f"only {stored} bytes of the file; {FIX}"
+            )
+        self.budget.charge(f"dataset {name!r}", n)
+        arr = ds[()] if n else np.empty(0, dtype=np.uint8)
+        arr = np.ascontiguousarray(arr)
+        if dtype != "BF16" and arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        data = memoryview(arr.reshape(-1).view(np.uint8)) if n else memoryview(b"")
+        if data.nbytes != n:
+            raise FormatError(f"{where}: dataset {name!r} read {data.nbytes} bytes, not {n}")
+        return Source(name, dtype, shape, ident, lambda: data)
+
+
+def checked_keys(group: Any, prefix: str, where: str) -> list[str]:
+    """The names in ``group``; one that is not UTF-8 is refused."""
     keys = list(group.keys())
     for key in keys:
         if not isinstance(key, str):  # h5py hands out names that are not UTF-8 as bytes
             raise FormatError(
                 f"{where}: the name {bytes(key)[:80]!r} under {prefix!r} is not UTF-8; {FIX}"
             )
-    for key in sorted(keys, key=_order):
-        name = f"{prefix}{key}"
-        budget.charge_name(name)
-        obj = _hard_link(h5py, group, key, name, where)
-        ident = _object_key(h5py, obj)
-        if isinstance(obj, h5py.Group):
-            if ident in ancestors:
-                raise FormatError(f"{where}: group {name!r} contains itself (a link cycle)")
-            if ident in groups:
-                raise FormatError(
-                    f"{where}: group {name!r} is also linked as {groups[ident]!r}; a group "
-                    f"linked twice makes every path under it twice, which Keras never does. {FIX}"
-                )
-            groups[ident] = name
-            _walk(h5py, obj, f"{name}/", [*ancestors, ident], out, buf, where, budget, groups)
-        elif isinstance(obj, h5py.Dataset):
-            if len(out) >= MAX_DATASETS:
-                raise FormatError(f"{where}: more than {MAX_DATASETS} datasets; {FIX}")
-            out.append(_dataset(h5py, obj, name, ident, buf, where, budget))
+    return keys
 
 
-def _hard_link(h5py: Any, group: Any, key: str, name: str, where: str) -> Any:
+def dataset_dtype(ds: Any, name: str, where: str) -> str:
+    """The safetensors dtype of a dataset (bfloat16 as Keras marks it), or refused."""
+    dt = ds.dtype
+    marked = ds.attrs.get("dtype")
+    if isinstance(marked, bytes):
+        marked = marked.decode("latin-1")
+    simple = dt.names is None and dt.subdtype is None
+    if dt.kind == "V" and dt.itemsize == 2 and marked == "bfloat16":
+        return "BF16"
+    if simple and BY_FRAMEWORK_NAME.get(dt.name) in NUMPY_NATIVE:
+        # numpy names a dtype the same in either byte order; the bytes are swapped later.
+        return BY_FRAMEWORK_NAME[dt.name]
+    raise FormatError(
+        f"{where}: dataset {name!r} has dtype {str(dt)[:60]}, which is not a tensor "
+        "dtype safetensors can store; remove it from the file or convert it first"
+    )
+
+
+def hard_link(h5py: Any, group: Any, key: str, name: str, where: str) -> Any:
     """What ``group[key]`` links to; refused unless the link is a hard one."""
     try:
         link = group.get(key, getlink=True)
@@ -174,7 +466,7 @@ def _hard_link(h5py: Any, group: Any, key: str, name: str, where: str) -> Any:
     return obj
 
 
-def _check_storage(h5py: Any, ds: Any, name: str, where: str) -> None:
+def check_storage(h5py: Any, ds: Any, name: str, where: str) -> None:
     """Refuse storage that reads other files or needs a filter HDF5 would load as a plugin.
 
     Checked on the dataset creation property list, before the dataset's bytes are read.
@@ -197,54 +489,3 @@ def _check_storage(h5py: Any, ds: Any, name: str, where: str) -> None:
                 f"{where}: dataset {name!r} uses HDF5 filter {code}, which is not one of "
                 f"{sorted(FILTERS.values())}; rewrite the file without it (h5repack -f NONE)"
             )
-
-
-def _dataset(
-    h5py: Any,
-    ds: Any,
-    name: str,
-    ident: Hashable,
-    buf: memoryview,
-    where: str,
-    budget: DecodeBudget,
-) -> Source:
-    np = need("numpy", "reading Keras .weights.h5 files")
-    _check_storage(h5py, ds, name, where)
-    dt = ds.dtype
-    marked = ds.attrs.get("dtype")
-    if isinstance(marked, bytes):
-        marked = marked.decode("latin-1")
-    simple = dt.names is None and dt.subdtype is None
-    if dt.kind == "V" and dt.itemsize == 2 and marked == "bfloat16":
-        dtype = "BF16"
-    elif simple and BY_FRAMEWORK_NAME.get(dt.name) in NUMPY_NATIVE:
-        # numpy names a dtype the same in either byte order; the bytes are swapped below.
-        dtype = BY_FRAMEWORK_NAME[dt.name]
-    else:
-        raise FormatError(
-            f"{where}: dataset {name!r} has dtype {str(dt)[:60]}, which is not a tensor "
-            "dtype safetensors can store; remove it from the file or convert it first"
-        )
-    shape = check_shape(where, name, ds.shape)
-    n = numel(shape) * ITEMSIZE[dtype]
-    little = dt.byteorder in ("<", "=", "|") or dt.itemsize == 1
-    offset = ds.id.get_offset() if ds.chunks is None and ds.compression is None else None
-    if offset is not None and little and n and offset + n <= buf.nbytes:
-        # Zero-copy: the bytes are in the file exactly as safetensors wants them.
-        view = buf[offset : offset + n]
-        return Source(name, dtype, shape, ident, lambda: view)
-    stored = ds.id.get_storage_size()
-    if n > MAX_RATIO * stored + FILL_ALLOWANCE:
-        raise FormatError(
-            f"{where}: dataset {name!r} is {dtype}{list(shape)} ({n} bytes) but occupies "
-            f"only {stored} bytes of the file; {FIX}"
-        )
-    budget.charge(f"dataset {name!r}", n)
-    arr = ds[()] if n else np.empty(0, dtype=np.uint8)
-    arr = np.ascontiguousarray(arr)
-    if dtype != "BF16" and arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    data = memoryview(arr.reshape(-1).view(np.uint8)) if n else memoryview(b"")
-    if data.nbytes != n:
-        raise FormatError(f"{where}: dataset {name!r} read {data.nbytes} bytes, not {n}")
-    return Source(name, dtype, shape, ident, lambda: data)
