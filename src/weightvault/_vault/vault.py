@@ -31,7 +31,9 @@ from .._file.writer import check_names
 from .._tools.convert import rewrite
 from .adapters import Adapter, adapter_for
 from .checkpoint import VaultCheckpoint, open_record
+from .codec import DEFAULT, codec_named
 from .dcp_record import DcpCheckpoint
+from .delta import DELTA_CHAIN, Storage
 from .gc import break_gc_lock, collect
 from .marker import create_vault, holds_vault, require_vault
 from .records import (
@@ -59,11 +61,22 @@ class Vault:
         root: A local folder or an fsspec URL such as ``s3://bucket/run1``.
         create: Make the vault now if there is none yet, instead of at the first save.
         gc_wait: How long a save waits for a running gc before giving up, in seconds.
+        compression: How new objects are compressed (``"blosc2"``: byte planes, then
+            zstd), or ``None`` to write raw bytes. Either way every object is named by the
+            blake3 of its raw bytes, and vaults of any mix of them load.
+        delta_chain: A changed tensor is stored as the XOR with its previous value when
+            that is smaller, with a full object at least every ``delta_chain + 1`` saves
+            (so a load reads at most ``delta_chain + 1`` objects per tensor); 0 turns
+            deltas off.
+        training_state_last: Keep optimizer, scheduler and RNG state only in the newest
+            ``N`` checkpoints: each save drops it from older ones, whose weights stay
+            loadable (see :meth:`retain`). ``None`` keeps all of it.
         **storage_options: Passed to fsspec for remote roots (endpoint, credentials).
 
     Raises:
         FormatError: ``root`` holds something that is not a vault (a file, or another
             ``vault.json``).
+        ValueError: ``compression`` names no codec, or a count is negative.
 
     Example:
         >>> vault = Vault("runs/finetune")
@@ -80,10 +93,21 @@ class Vault:
         *,
         create: bool = False,
         gc_wait: float = 600.0,
+        compression: str | None = DEFAULT,
+        delta_chain: int = DELTA_CHAIN,
+        training_state_last: int | None = None,
         **storage_options: Any,
     ) -> None:
         self.store = open_store(root, **storage_options)
         self.gc_wait = gc_wait
+        if delta_chain < 0 or (training_state_last is not None and training_state_last < 0):
+            raise ValueError(f"{self.store.url}: delta_chain and training_state_last must be >= 0")
+        self.training_state_last = training_state_last
+        self.storage = Storage(
+            codec_named(compression, self.store.url),
+            max_chain=delta_chain,
+            training_deltas=training_state_last is None,
+        )
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
@@ -158,6 +182,7 @@ class Vault:
             return save_sources(
                 self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
                 metadata=metadata, progress=progress, sums=self._sums, gc_wait=self.gc_wait,
+                storage=self.storage,
             )  # fmt: skip
 
         return self._in_background(work, name) if background else work()
