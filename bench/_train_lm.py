@@ -148,3 +148,7 @@ def as_bf16(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, An
 def checkpoints(root: Path, phase: str) -> list[Path]:
     found = [p for p in root.iterdir() if p.name.startswith(f"{phase}-checkpoint-")]
     return sorted(found, key=lambda p: int(p.name.rsplit("-", 1)[1]))
+
+
+def checkpoints_exist(root: Path) -> bool:
+    return root.is_dir() and bool(checkpoints(root, "a")) and bool(checkpoints(root, "b"))

@@ -44,6 +44,7 @@ from .records import (
     read_doc,
     resolve,
 )
+from .retain import drop_training_except_last
 from .save import Checksums, Progress, save_sources
 from .store import open_store
 from .verify import VaultVerifyReport, verify_vault
@@ -179,11 +180,14 @@ class Vault:
         _check_names(sources, training, metadata, self.url)
 
         def work() -> CheckpointRecord:
-            return save_sources(
+            record = save_sources(
                 self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
                 metadata=metadata, progress=progress, sums=self._sums, gc_wait=self.gc_wait,
                 storage=self.storage,
             )  # fmt: skip
+            if self.training_state_last is not None:
+                drop_training_except_last(self.store, self.training_state_last)
+            return record
 
         return self._in_background(work, name) if background else work()
 
@@ -294,23 +298,42 @@ class Vault:
         delete_record(self.store, name)
 
     def retain(
-        self, keep_last: int | None = None, keep_every: int | None = None
+        self,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        *,
+        training_state_last: int | None = None,
     ) -> builtins.list[str]:
-        """Delete checkpoints except the last ``keep_last`` and every ``keep_every``-th.
+        """Delete checkpoints except the last ``keep_last`` and every ``keep_every``-th,
+        and drop the training state of all but the last ``training_state_last``.
 
-        Returns the names deleted. With neither argument, nothing is deleted.
+        A checkpoint whose training state is dropped keeps its weights (it loads as
+        before); resuming from it raises :class:`~weightvault.TrainingStateError`. What
+        either frees goes at the next :meth:`gc`, except objects a kept checkpoint's
+        deltas are built on.
+
+        Returns:
+            The names deleted. With no argument, nothing changes.
+
+        Example:
+            >>> vault.retain(training_state_last=1)   # weights of every checkpoint, one resumable
+            []
         """
         records = self.list()
-        if keep_last is None and keep_every is None:
-            return []
-        keep: set[str] = set()
-        if keep_last:
-            keep |= {r.name for r in records[-keep_last:]}
-        if keep_every:
-            keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
-        deleted = [r.name for r in records if r.name not in keep]
-        for name in deleted:
-            self.delete(name)
+        deleted: builtins.list[str] = []
+        if keep_last is not None or keep_every is not None:
+            keep: set[str] = set()
+            if keep_last:
+                keep |= {r.name for r in records[-keep_last:]}
+            if keep_every:
+                keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
+            deleted = [r.name for r in records if r.name not in keep]
+            for name in deleted:
+                self.delete(name)
+        if training_state_last is not None:
+            if training_state_last < 0:
+                raise ValueError(f"{self.url}: training_state_last must be >= 0")
+            drop_training_except_last(self.store, training_state_last)
         return deleted
 
     def gc(self) -> int:
