@@ -145,7 +145,7 @@ def stored_depth(store: Store, digest: str, nbytes: int) -> int | None:
     Only ``objects/`` is looked at, never a gc's trash: like :func:`~.commit.store_missing`,
     a save may rely only on what it sees there after its intent is visible.
     """
-    from .frame import FrameError, parse_frame_header
+    from .frame import parse_frame_header
 
     key = object_key(digest)
     size = store.size(key)
@@ -156,7 +156,7 @@ def stored_depth(store: Store, digest: str, nbytes: int) -> int | None:
     try:
         head = store.get_range(key, 0, 64)
         frame = parse_frame_header(memoryview(head)) if is_frame(head) else None
-    except (FileNotFoundError, FrameError):
+    except (FileNotFoundError, FormatError):
         return None
     return frame.depth if frame is not None and frame.raw_size == nbytes else None
 

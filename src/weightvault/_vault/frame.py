@@ -25,7 +25,8 @@ raw object from a frame by its length; one that does not (a ranged DCP read) goe
 magic, which raw bytes starting with it never are (they are written as a stored frame).
 
 Everything here is bytes in, bytes out; :mod:`.objects` reads frames from a store and
-follows delta chains.
+follows delta chains. Errors here say what is wrong with the frame; the readers add
+which object and which tensor.
 
 Example:
     >>> parts = encode_frame(memoryview(bytes(1 << 16)), 4, CODECS["blosc2"])
@@ -42,6 +43,7 @@ from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .._base.errors import FormatError
 from .codec import BLOCK, CODECS, STORED, Codec, codec_pool, compress_block, decompress_block
 
 __all__ = [
@@ -50,7 +52,6 @@ __all__ = [
     "MAX_DEPTH",
     "VERSION",
     "Frame",
-    "FrameError",
     "decode_into",
     "encode_frame",
     "is_frame",
@@ -73,10 +74,6 @@ _INLINE = 1 << 20
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class FrameError(ValueError):
-    """A frame that cannot be what it claims; callers raise FormatError naming the tensor."""
 
 
 @dataclass(frozen=True)
@@ -140,20 +137,20 @@ def _fields(data: memoryview) -> tuple[int, ...]:
     try:
         magic, version, codec, planes, flags, depth, _, raw, block, base = _HEADER.unpack_from(data)
     except struct.error:
-        raise FrameError(
+        raise FormatError(
             f"the object is {data.nbytes} bytes, shorter than a frame header"
         ) from None
     if magic != MAGIC:
-        raise FrameError("the object is not a frame (bad magic)")
+        raise FormatError("the object is not a frame (bad magic)")
     if version != VERSION:
-        raise FrameError(f"unknown object frame version {version}; upgrade weightvault")
+        raise FormatError(f"unknown object frame version {version}; upgrade weightvault")
     if codec != STORED.id and codec not in {c.id for c in CODECS.values()}:
-        raise FrameError(f"unknown codec id {codec}; upgrade weightvault")
+        raise FormatError(f"unknown codec id {codec}; upgrade weightvault")
     delta = flags == _DELTA
     if flags not in (0, _DELTA) or planes == 0 or delta != (depth > 0) or depth > MAX_DEPTH:
-        raise FrameError(f"inconsistent frame header (flags {flags}, depth {depth})")
+        raise FormatError(f"inconsistent frame header (flags {flags}, depth {depth})")
     if delta == (base == bytes(32)) or not _MIN_BLOCK <= block <= _MAX_BLOCK:
-        raise FrameError("inconsistent frame header (base or block size)")
+        raise FormatError("inconsistent frame header (base or block size)")
     return codec, planes, depth, raw, block, int.from_bytes(base, "big") if delta else -1
 
 
@@ -161,7 +158,7 @@ def parse_frame_header(data: memoryview) -> Frame:
     """The fixed header of a frame (``lengths`` left empty), for gc and size checks.
 
     Raises:
-        FrameError: The header is inconsistent or of an unknown version.
+        FormatError: The header is inconsistent or of an unknown version.
     """
     codec, planes, depth, raw, block, base = _fields(data.cast("B"))
     return Frame(codec, planes, depth, raw, block, f"{base:064x}" if base >= 0 else None, ())
@@ -176,21 +173,21 @@ def parse_frame(data: memoryview, expected: int | None) -> Frame:
         expected: The raw size the checkpoint record gives, if known.
 
     Raises:
-        FrameError: Anything is inconsistent: a raw size other than ``expected``, a block
+        FormatError: Anything is inconsistent: a raw size other than ``expected``, a block
             table longer than the file, block lengths that do not add up to the file's
             length (truncated or padded), an unknown version or codec.
     """
     data = data.cast("B")
     codec, planes, depth, raw, block, base = _fields(data)
     if expected is not None and raw != expected:
-        raise FrameError(f"the frame claims {raw} raw bytes, the record says {expected}")
+        raise FormatError(f"the frame claims {raw} raw bytes, the record says {expected}")
     n = -(-raw // block)
     if HEADER_SIZE + 8 * n > data.nbytes:
-        raise FrameError(f"the frame's block table ({n} blocks) runs past its end (truncated)")
+        raise FormatError(f"the frame's block table ({n} blocks) runs past its end (truncated)")
     lengths = struct.unpack_from(f"<{n}Q", data, HEADER_SIZE)
     total = HEADER_SIZE + 8 * n + sum(lengths)
     if total != data.nbytes:
-        raise FrameError(
+        raise FormatError(
             f"the frame's blocks add up to {total} bytes, the object holds {data.nbytes} "
             "(truncated or padded)"
         )
@@ -206,12 +203,12 @@ def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int, *, 
     on all cores for large ranges; nothing is allocated beyond one block per thread.
 
     Raises:
-        FrameError: A block does not decode to its recorded size.
+        FormatError: A block does not decode to its recorded size.
     """
     data, out = data.cast("B"), out.cast("B")
     end = start + out.nbytes
     if not 0 <= start <= end <= frame.raw_size:
-        raise FrameError(f"bytes [{start}, {end}) lie outside the object's {frame.raw_size}")
+        raise FormatError(f"bytes [{start}, {end}) lie outside the object's {frame.raw_size}")
     first, last = start // frame.block_size, -(-end // frame.block_size)
     wanted = [i for i in range(first, last) if frame.block(i)[1] > 0]
 
@@ -237,7 +234,7 @@ def _decompress(frame: Frame, src: memoryview, out: memoryview) -> None:
     try:
         decompress_block(frame.codec, src, out, frame.itemsize)
     except ValueError as e:
-        raise FrameError(str(e)) from None
+        raise FormatError(str(e)) from None
 
 
 def xor_into(out: memoryview, other: memoryview | bytes) -> None:

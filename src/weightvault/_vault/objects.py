@@ -34,7 +34,6 @@ from .frame import (
     HEADER_SIZE,
     MAX_DEPTH,
     Frame,
-    FrameError,
     decode_into,
     is_frame,
     parse_frame,
@@ -202,7 +201,7 @@ def _rebuild(
         size = links[0][2].raw_size if links[0][2] else data.nbytes
         end = size if end is None else end
         if not 0 <= start <= end <= size:
-            raise FrameError(f"bytes [{start}, {end}) lie outside the object's {size}")
+            raise FormatError(f"bytes [{start}, {end}) lie outside the object's {size}")
         out = memoryview(bytearray(end - start))
         _, base, frame = links[-1]
         if frame is None:
@@ -212,7 +211,7 @@ def _rebuild(
         for _, delta, frame in reversed(links[:-1]):
             decode_into(delta, frame, out, start, xor=True)  # type: ignore[arg-type]
         return out
-    except FrameError as e:
+    except FormatError as e:
         raise FormatError(f"{store.url}/{object_key(digest)}: {e}") from None
 
 
@@ -229,13 +228,13 @@ def chain(
     a chain ends: a cycle or a chain deeper than :data:`~.frame.MAX_DEPTH` is refused.
 
     Raises:
-        FrameError: A frame is damaged, or a base is missing or does not fit its delta.
+        FormatError: A frame is damaged, or a base is missing or does not fit its delta.
     """
     links: list[Link] = []
     while True:
         frame = None if _is_raw(data, nbytes) else parse_frame(data, nbytes)
         if frame is None and nbytes is not None and data.nbytes != nbytes:
-            raise FrameError(f"object {digest[:12]} holds {data.nbytes} bytes, expected {nbytes}")
+            raise FormatError(f"object {digest[:12]} holds {data.nbytes} bytes, expected {nbytes}")
         if links:
             _check_base(links[-1], digest, frame)
         links.append((digest, data, frame))
@@ -245,7 +244,7 @@ def chain(
         try:
             data = get(digest)
         except FileNotFoundError:
-            raise FrameError(f"its delta base {digest[:12]} is missing") from None
+            raise FormatError(f"its delta base {digest[:12]} is missing") from None
 
 
 def _check_base(delta: Link, digest: str, frame: Frame | None) -> None:
@@ -253,12 +252,12 @@ def _check_base(delta: Link, digest: str, frame: Frame | None) -> None:
     assert parent is not None
     depth = frame.depth if frame else 0
     if depth != parent.depth - 1:
-        raise FrameError(
+        raise FormatError(
             f"delta base {digest[:12]} has depth {depth}, expected {parent.depth - 1} "
             "(a broken or cyclic delta chain)"
         )
     if frame is not None and frame.itemsize != parent.itemsize:
-        raise FrameError(
+        raise FormatError(
             f"delta base {digest[:12]} holds {frame.itemsize}-byte items, its delta "
             f"{parent.itemsize}-byte ones (another dtype)"
         )
@@ -276,7 +275,7 @@ def object_frame(store: Store, digest: str) -> Frame | None:
             return None
         try:
             return parse_frame_header(memoryview(head))
-        except FrameError:
+        except FormatError:
             return None
     return None
 
@@ -341,7 +340,7 @@ def prefetch(store: Store, digests: Iterator[str] | list[str]) -> dict[str, byte
             if is_frame(data) and len(data) >= HEADER_SIZE:
                 try:
                     base = parse_frame_header(memoryview(data)).base
-                except FrameError:
+                except FormatError:
                     continue
                 if base is not None:
                     bases.append(base)
