@@ -374,7 +374,7 @@ def test_the_default_store_missing_compresses_without_deltas(tmp_path: Path) -> 
     written = commit_module.store_missing(vault.store, {digest: (raw.nbytes, lambda: raw)})
     head = object_file(tmp_path, digest).read_bytes()
     assert written == {digest: len(head)} and head[:8] == MAGIC
-    assert struct.unpack_from("<B", head, 11)[0] == 0  # flags: not a delta
+    assert struct.unpack_from("<B", head, 11)[0] == 0  # kind: a full object, not a delta
 
 
 def test_keras_model_round_trips_through_a_compressed_vault(tmp_path: Path) -> None:

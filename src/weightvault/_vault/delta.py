@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from .._base.errors import CheckpointNotFoundError, FormatError
 from .codec import STORED, Codec
-from .frame import MAX_DEPTH, encode_frame, is_frame, xor_into
+from .diff import delta_kind, make_delta
+from .frame import MAX_DEPTH, encode_frame, is_frame
 from .objects import object_frame, object_key, read_object
 from .store import Store
 
@@ -234,9 +235,9 @@ class Encoder:
                 return None
         if len(old) != raw.nbytes:
             return None
-        diff = bytearray(raw)
-        xor_into(memoryview(diff), old)
-        parts = encode_frame(memoryview(diff), itemsize, self.codec, base=base, depth=depth + 1)
+        kind = delta_kind(itemsize, raw.nbytes)
+        payload = memoryview(make_delta(raw, old, kind, itemsize))
+        parts = encode_frame(payload, itemsize, self.codec, base=base, kind=kind, depth=depth + 1)
         return b"".join(parts)
 
 

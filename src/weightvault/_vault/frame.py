@@ -8,7 +8,9 @@ before frames existed, and any object compression did not shrink) or a frame::
     8       1     frame version (1)
     9       1     codec id (0 stored, 1 blosc2: byte planes + zstd; see .codec)
     10      1     item size: the byte planes each block was split into (1 to 255)
-    11      1     flags: bit 0 set = a delta (the payload is raw XOR base)
+    11      1     kind: 0 a full object; a delta otherwise, whose payload is the
+                  transform of :mod:`.diff` with this id applied to raw and base
+                  (1 XOR, 2 zigzag integer difference of item-size words)
     12      2     depth: 0 for a full object, a delta's is its base's plus one
     14      2     reserved, 0
     16      8     raw size: the bytes the object stands for (its name is their blake3)
@@ -45,6 +47,7 @@ from typing import TypeVar
 
 from .._base.errors import FormatError
 from .codec import BLOCK, CODECS, STORED, Codec, codec_pool, compress_block, decompress_block
+from .diff import KINDS, apply_delta
 
 __all__ = [
     "HEADER_SIZE",
@@ -57,14 +60,12 @@ __all__ = [
     "is_frame",
     "parse_frame",
     "parse_frame_header",
-    "xor_into",
 ]
 
 MAGIC = b"\x89WVO\r\n\x1a\n"
 VERSION = 1
 _HEADER = struct.Struct("<8sBBBBHHQQ32s")
 HEADER_SIZE = _HEADER.size  # 64
-_DELTA = 1
 #: The longest delta chain a reader follows; writers keep far shorter ones (see .delta).
 MAX_DEPTH = 64
 #: Blocks smaller than this (or over 1 GiB) mark a frame no writer made.
@@ -82,6 +83,7 @@ class Frame:
 
     codec: int
     itemsize: int
+    kind: int
     depth: int
     raw_size: int
     block_size: int
@@ -110,15 +112,17 @@ def encode_frame(
     codec: Codec,
     *,
     base: str | None = None,
+    kind: int = 0,
     depth: int = 0,
 ) -> list[bytes | memoryview]:
-    """The frame of ``raw`` (already XORed with its base for a delta), as parts to join.
+    """The frame of ``raw`` (already a delta against its base, for one), as parts to join.
 
     Args:
-        raw: The bytes to store (for a delta, the tensor's bytes XOR its base's).
+        raw: The bytes to store (for a delta, :func:`~.diff.make_delta`'s output).
         itemsize: Bytes per element, the byte planes blocks are split into.
         codec: How to compress each block.
         base: The base object's digest, for a delta.
+        kind: The delta's transform (:mod:`.diff`), for a delta.
         depth: The chain depth, for a delta (its base's plus one).
     """
     raw = raw.cast("B")
@@ -126,7 +130,7 @@ def encode_frame(
     spans = [(i, min(i + BLOCK, raw.nbytes)) for i in range(0, raw.nbytes, BLOCK)]
     blocks = _map(lambda s: compress_block(codec, raw[s[0] : s[1]], planes), spans, raw.nbytes)
     header = _HEADER.pack(
-        MAGIC, VERSION, codec.id, planes, _DELTA if base else 0, depth, 0,
+        MAGIC, VERSION, codec.id, planes, kind if base else 0, depth, 0,
         raw.nbytes, BLOCK, bytes.fromhex(base) if base else bytes(32),
     )  # fmt: skip
     table = struct.pack(f"<{len(blocks)}Q", *(len(b) for b in blocks))
@@ -135,7 +139,7 @@ def encode_frame(
 
 def _fields(data: memoryview) -> tuple[int, ...]:
     try:
-        magic, version, codec, planes, flags, depth, _, raw, block, base = _HEADER.unpack_from(data)
+        magic, version, codec, planes, kind, depth, _, raw, block, base = _HEADER.unpack_from(data)
     except struct.error:
         raise FormatError(
             f"the object is {data.nbytes} bytes, shorter than a frame header"
@@ -146,12 +150,14 @@ def _fields(data: memoryview) -> tuple[int, ...]:
         raise FormatError(f"unknown object frame version {version}; upgrade weightvault")
     if codec != STORED.id and codec not in {c.id for c in CODECS.values()}:
         raise FormatError(f"unknown codec id {codec}; upgrade weightvault")
-    delta = flags == _DELTA
-    if flags not in (0, _DELTA) or planes == 0 or delta != (depth > 0) or depth > MAX_DEPTH:
-        raise FormatError(f"inconsistent frame header (flags {flags}, depth {depth})")
+    if kind != 0 and kind not in KINDS:
+        raise FormatError(f"unknown delta kind {kind}; upgrade weightvault")
+    delta = kind != 0
+    if planes == 0 or delta != (depth > 0) or depth > MAX_DEPTH:
+        raise FormatError(f"inconsistent frame header (kind {kind}, depth {depth})")
     if delta == (base == bytes(32)) or not _MIN_BLOCK <= block <= _MAX_BLOCK:
         raise FormatError("inconsistent frame header (base or block size)")
-    return codec, planes, depth, raw, block, int.from_bytes(base, "big") if delta else -1
+    return codec, planes, kind, depth, raw, block, int.from_bytes(base, "big") if delta else -1
 
 
 def parse_frame_header(data: memoryview) -> Frame:
@@ -160,8 +166,9 @@ def parse_frame_header(data: memoryview) -> Frame:
     Raises:
         FormatError: The header is inconsistent or of an unknown version.
     """
-    codec, planes, depth, raw, block, base = _fields(data.cast("B"))
-    return Frame(codec, planes, depth, raw, block, f"{base:064x}" if base >= 0 else None, ())
+    codec, planes, kind, depth, raw, block, base = _fields(data.cast("B"))
+    digest = f"{base:064x}" if base >= 0 else None
+    return Frame(codec, planes, kind, depth, raw, block, digest, ())
 
 
 def parse_frame(data: memoryview, expected: int | None) -> Frame:
@@ -178,7 +185,7 @@ def parse_frame(data: memoryview, expected: int | None) -> Frame:
             length (truncated or padded), an unknown version or codec.
     """
     data = data.cast("B")
-    codec, planes, depth, raw, block, base = _fields(data)
+    codec, planes, kind, depth, raw, block, base = _fields(data)
     if expected is not None and raw != expected:
         raise FormatError(f"the frame claims {raw} raw bytes, the record says {expected}")
     n = -(-raw // block)
@@ -192,15 +199,16 @@ def parse_frame(data: memoryview, expected: int | None) -> Frame:
             "(truncated or padded)"
         )
     digest = f"{base:064x}" if base >= 0 else None
-    return Frame(codec, planes, depth, raw, block, digest, tuple(lengths))
+    return Frame(codec, planes, kind, depth, raw, block, digest, tuple(lengths))
 
 
-def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int, *, xor: bool) -> None:
-    """Decode raw bytes ``[start, start + len(out))`` of ``frame`` into ``out``.
+def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int) -> None:
+    """Decode bytes ``[start, start + len(out))`` of ``frame`` into ``out``.
 
-    With ``xor`` the decoded bytes are XORed into ``out`` (``out`` holds the base's bytes),
-    which is how a delta is applied. Only the blocks that cover the range are decoded,
-    on all cores for large ranges; nothing is allocated beyond one block per thread.
+    For a delta, ``out`` holds the base's bytes and the decoded delta is applied to them
+    (:func:`~.diff.apply_delta`); the range must then start and end on whole items. Only
+    the blocks that cover the range are decoded, on all cores for large ranges; nothing
+    is allocated beyond one block per thread.
 
     Raises:
         FormatError: A block does not decode to its recorded size.
@@ -217,13 +225,13 @@ def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int, *, 
         src = data[offset : offset + frame.lengths[i]]
         lo, hi = max(start, b_start), min(end, b_start + length)
         target = out[lo - start : hi - start]
-        if not xor and (lo, hi) == (b_start, b_start + length):
+        if not frame.kind and (lo, hi) == (b_start, b_start + length):
             _decompress(frame, src, target)
             return
         block = memoryview(bytearray(length))
         _decompress(frame, src, block)
-        if xor:
-            xor_into(target, block[lo - b_start : hi - b_start])
+        if frame.kind:
+            apply_delta(target, block[lo - b_start : hi - b_start], frame.kind, frame.itemsize)
         else:
             target[:] = block[lo - b_start : hi - b_start]
 
@@ -235,17 +243,6 @@ def _decompress(frame: Frame, src: memoryview, out: memoryview) -> None:
         decompress_block(frame.codec, src, out, frame.itemsize)
     except ValueError as e:
         raise FormatError(str(e)) from None
-
-
-def xor_into(out: memoryview, other: memoryview | bytes) -> None:
-    """``out ^= other``, bytewise (as wide words where they line up)."""
-    import numpy as np
-
-    a = np.frombuffer(out, np.uint8)
-    b = np.frombuffer(other, np.uint8)
-    if a.size % 8 == 0:
-        a, b = a.view(np.uint64), b.view(np.uint64)
-    np.bitwise_xor(a, b, out=a)
 
 
 def _map(fn: Callable[[T], R], items: Sequence[T], nbytes: int) -> list[R]:

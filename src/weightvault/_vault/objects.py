@@ -198,19 +198,22 @@ def _rebuild(
 ) -> memoryview:
     try:
         links = chain(digest, data, nbytes, get)
-        size = links[0][2].raw_size if links[0][2] else data.nbytes
+        top = links[0][2]
+        size = top.raw_size if top else data.nbytes
         end = size if end is None else end
         if not 0 <= start <= end <= size:
             raise FormatError(f"bytes [{start}, {end}) lie outside the object's {size}")
-        out = memoryview(bytearray(end - start))
+        item = top.itemsize if top else 1  # a delta applies to whole items
+        lo, hi = start - start % item, min(size, end + (-end % item))
+        out = memoryview(bytearray(hi - lo))
         _, base, frame = links[-1]
         if frame is None:
-            out[:] = base[start:end]
+            out[:] = base[lo:hi]
         else:
-            decode_into(base, frame, out, start, xor=False)
+            decode_into(base, frame, out, lo)
         for _, delta, frame in reversed(links[:-1]):
-            decode_into(delta, frame, out, start, xor=True)  # type: ignore[arg-type]
-        return out
+            decode_into(delta, frame, out, lo)  # type: ignore[arg-type]
+        return out[start - lo : end - lo]
     except FormatError as e:
         raise FormatError(f"{store.url}/{object_key(digest)}: {e}") from None
 
