@@ -114,7 +114,3 @@ def compare(data: dict[str, tuple[bytes, int]], rounds: int) -> list[dict[str, A
                 "decompress_gbs": len(buf) / min(t for _, t in times[name]) / 1e9,
             })  # fmt: skip
     return rows
-
-
-def xor(a: bytes, b: bytes) -> bytes:
-    return (np.frombuffer(a, np.uint8) ^ np.frombuffer(b, np.uint8)).tobytes()

@@ -42,6 +42,8 @@ import torch
 from _common import fsync_path, machine, table
 
 from weightvault import Vault
+from weightvault._vault.delta import DELTA_CHAIN
+from weightvault._vault.diff import DIFFERENCE, XOR, make_delta
 
 
 def disk(path: Path) -> int:
@@ -73,8 +75,10 @@ def cmd_codecs(root: Path, rounds: int) -> list[dict[str, Any]]:
     data = dict(last_a)
     for label in ("fp32 weights", "fp32 exp_avg_sq", "bf16 weights"):
         k = last_a[label][1]
-        data[f"{label} XOR prev, lr 1e-3"] = (codecs.xor(last_a[label][0], prev_a[label][0]), k)
-        data[f"{label} XOR prev, lr 3e-5"] = (codecs.xor(last_b[label][0], prev_b[label][0]), k)
+        for lr, new, old in (("1e-3", last_a, prev_a), ("3e-5", last_b, prev_b)):
+            for kind, how in ((XOR, "XOR"), (DIFFERENCE, "difference")):
+                delta = make_delta(memoryview(new[label][0]), old[label][0], kind, k)
+                data[f"{label} {how} prev, lr {lr}"] = (bytes(delta), k)
     return codecs.compare(data, rounds)
 
 
@@ -120,7 +124,7 @@ def cmd_sizes(root: Path, scratch: Path, chains: list[int]) -> list[dict[str, An
         folders = T.checkpoints(root, phase)
         for bf16 in (False, True):
             trainer = trainer_bytes(folders, bf16, scratch)
-            for k in chains if not bf16 else chains[-1:]:
+            for k in chains if not bf16 else [DELTA_CHAIN]:
                 target = scratch / f"vault-{phase}-{bf16}-{k}"
                 run = vault_run(folders, target, bf16, delta_chain=k)
                 shutil.rmtree(target)
@@ -144,33 +148,39 @@ def _plain_save(folder: Path, model: Any, opt: Any) -> None:
 
 
 def cmd_time(root: Path, scratch: Path, rounds: int) -> dict[str, Any]:
-    """Sync save, background blocking and load, against save_model + torch.save."""
-    folders = T.checkpoints(root, "a")
-    parent = T.restore(folders[-2])
-    model, opt, sched = T.restore(folders[-1])
+    """Sync save, background blocking and load, against save_model + torch.save.
+
+    Each contender keeps one vault (or folder) for the whole run, as a training run does,
+    and saves the checkpoints of the lr 1e-3 phase in order, so every save holds new
+    values and a vault saves deltas against the one before; the first save is untimed.
+    """
+    states = [T.restore(f) for f in T.checkpoints(root, "a")[: rounds + 1]]
+    names = ["save_model + torch.save", "vault", "vault, compression=None", "vault bg"]
+    vaults = {
+        n: Vault(scratch / f"time-{i}", compression=None if "None" in n else "blosc2")
+        for i, n in enumerate(names[1:])
+    }
+    for vault in vaults.values():
+        model, opt, sched = states[0]
+        vault.save(model, optimizer=opt, scheduler=sched, rng=True)
     times: dict[str, list[float]] = {}
-    for r in range(rounds):
-        contenders = ["save_model + torch.save", "vault", "vault, compression=None", "vault bg"]
-        k = r % len(contenders)
-        for name in contenders[k:] + contenders[:k]:
-            target = scratch / f"t-{r}-{name.replace(' ', '_')}"
+    for r in range(1, len(states)):
+        model, opt, sched = states[r]
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
             if name == "save_model + torch.save":
-                t0 = time.perf_counter()
-                _plain_save(target, model, opt)
+                _plain_save(scratch / f"plain-{r}", model, opt)
             else:
-                vault = Vault(target, compression=None if "None" in name else "blosc2")
-                vault.save(parent[0], optimizer=parent[1], scheduler=parent[2], rng=True)
-                t0 = time.perf_counter()
-                handle = vault.save(
-                    model, optimizer=opt, scheduler=sched, rng=True, background="bg" in name
+                bg = name == "vault bg"
+                handle = vaults[name].save(
+                    model, optimizer=opt, scheduler=sched, rng=True, background=bg
                 )
-                if "bg" in name:
+                if bg:
                     times.setdefault("vault bg, blocking", []).append(time.perf_counter() - t0)
                     handle.wait()
             times.setdefault(name, []).append(time.perf_counter() - t0)
-            shutil.rmtree(target)
     out = {name: min(ts) for name, ts in times.items()}
-    out.update(_load_times(model, scratch, rounds))
+    out.update(_load_times(states[-1][0], scratch, rounds))
     return out
 
 

@@ -44,7 +44,10 @@ def check_object(store: Store, digest: str, expected: int) -> str | None:
     except OSError as e:
         return f"object {digest[:12]} is unreadable ({e})"
     if data.nbytes != expected:
-        return f"object {digest[:12]} holds {data.nbytes} bytes, expected {expected} (truncated)"
+        return (
+            f"object {digest[:12]} holds {data.nbytes} bytes, expected {expected} "
+            "(truncated or corrupt)"
+        )
     if content_hash(data) != digest:
         return f"object {digest[:12]} is corrupt (hash mismatch)"
     return None
