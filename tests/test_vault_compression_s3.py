@@ -40,7 +40,9 @@ def state(model: nn.Module) -> dict[str, bytes]:
 
 
 def test_deltas_and_weights_only_history_on_s3(
-    bucket: str, options: dict[str, Any], tmp_path: Path
+    bucket: str,  # noqa: F811 (the fixtures of test_vault_s3)
+    options: dict[str, Any],  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     from safetensors.torch import load_file
 
