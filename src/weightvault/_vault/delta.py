@@ -85,6 +85,13 @@ class BaseCache:
                 self._items[digest] = copy
                 self._size += len(copy)
 
+    def __getstate__(self) -> dict[str, int]:
+        # A pickled vault (sent to a worker process) starts with an empty cache.
+        return {"budget": self.budget}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(state["budget"])  # type: ignore[misc]
+
     def keep_only(self, digests: set[str]) -> None:
         """Drop everything but ``digests`` (the objects the newest save named)."""
         with self._lock:
@@ -116,6 +123,10 @@ class Storage:
     training_deltas: bool = True
     cache: BaseCache = field(default_factory=BaseCache)
     parent: Tensors | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        # Another process reads the newest record again: this one's memory is not its.
+        return {**self.__dict__, "parent": None}
 
     def parent_tensors(self, store: Store) -> Tensors:
         """The tensors deltas are taken against: the previous save's, or the newest record's."""

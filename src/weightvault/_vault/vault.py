@@ -180,16 +180,19 @@ class Vault:
         _check_names(sources, training, metadata, self.url)
 
         def work() -> CheckpointRecord:
-            record = save_sources(
+            return self._trimmed(save_sources(
                 self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
                 metadata=metadata, progress=progress, sums=self._sums, gc_wait=self.gc_wait,
                 storage=self.storage,
-            )  # fmt: skip
-            if self.training_state_last is not None:
-                drop_training_except_last(self.store, self.training_state_last)
-            return record
+            ))  # fmt: skip
 
         return self._in_background(work, name) if background else work()
+
+    def _trimmed(self, record: CheckpointRecord) -> CheckpointRecord:
+        """``record``, once older checkpoints lost their training state (if asked)."""
+        if self.training_state_last is not None:
+            drop_training_except_last(self.store, self.training_state_last)
+        return record
 
     def _in_background(
         self, work: Callable[[], CheckpointRecord], name: str | None
