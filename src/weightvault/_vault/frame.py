@@ -102,10 +102,6 @@ def is_frame(data: bytes | memoryview) -> bool:
     return bytes(data[: len(MAGIC)]) == MAGIC
 
 
-def _blocks(n: int) -> int:
-    return -(-n // BLOCK)
-
-
 def encode_frame(
     raw: memoryview,
     itemsize: int,
