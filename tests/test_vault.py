@@ -244,7 +244,7 @@ def test_a_name_taken_between_check_and_commit_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The exclusive create is the commit: another writer's record is never overwritten."""
-    vault = Vault(tmp_path)
+    vault = Vault(tmp_path, compression=None)  # raw objects: bytes are counted
     original = build(1, width=64)
     vault.save(original, "best")
     # Another writer created "best" after our existence check: make that check miss it.
@@ -438,7 +438,7 @@ def test_unknown_names_raise_and_list_the_known_ones(tmp_path: Path) -> None:
 
 
 def test_delete_then_gc_frees_exactly_the_unshared_bytes(tmp_path: Path) -> None:
-    vault = Vault(tmp_path)
+    vault = Vault(tmp_path, compression=None)  # raw objects: bytes are counted
     models = [build(seed, width=256) for seed in range(4)]
     saved = [snapshot(m) for m in models]
     for m in models:
@@ -561,7 +561,7 @@ def test_frozen_backbone_costs_nothing_after_the_first_checkpoint(tmp_path: Path
     trainable = nbytes(wvt.trainable(model))
     assert trainable == head_bytes(model) and trainable < full / 10
 
-    vault = Vault(tmp_path)
+    vault = Vault(tmp_path, compression=None)  # raw objects: bytes are counted
     records, saved = [], []
     for _ in range(saves):
         before = snapshot(model)

@@ -123,8 +123,8 @@ def test_reused_checksums_are_those_of_the_bytes(tmp_path: Path) -> None:
     vault.save(build(3, width=WIDTH))
     for rec in vault.list():
         with vault.open(rec.name) as ckpt:
-            for stored, digest in ckpt.objects.items():
-                data = (tmp_path / "objects" / digest[:2] / digest).read_bytes()
+            for stored in ckpt.objects:
+                data = ckpt.raw(stored)  # the object's raw bytes, decompressed
                 assert ckpt.manifest.sums[stored] == xxhash.xxh3_64(data).hexdigest()
     assert vault.verify().ok
 
@@ -154,7 +154,7 @@ def test_an_unreadable_record_is_skipped_when_looking_up_checksums(tmp_path: Pat
 
 
 def test_a_damaged_object_with_a_reused_checksum_is_caught(tmp_path: Path) -> None:
-    vault = Vault(tmp_path)
+    vault = Vault(tmp_path, compression=None)  # a raw object, so the flip is a wrong value
     vault.save(build(1, width=WIDTH))
     rec = vault.save(build(2, width=WIDTH))  # reuses the backbone's checksums
     path = object_path(tmp_path, rec.name, "backbone.0.weight")

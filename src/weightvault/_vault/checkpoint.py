@@ -22,6 +22,7 @@ from .objects import (
     content_hash,
     damaged,
     object_key,
+    prefetch,
     read_object,
 )
 from .records import parse_header_text, parse_record, record_key
@@ -48,6 +49,7 @@ class VaultCheckpoint(ObjectCheckpoint):
         ):
             raise FormatError(f"{where}: objects do not match the stored tensors")
         self._cache: dict[str, memoryview] = {}
+        self._files: dict[str, bytes] = {}
         super().__init__(
             store, where, header.tensors, manifest,
             framework=header.metadata.get("format"),
@@ -57,24 +59,18 @@ class VaultCheckpoint(ObjectCheckpoint):
 
     def fetch(self) -> None:
         """Bring every object into memory now, concurrently (used for remote stores)."""
-        keys = {object_key(h): n for n, h in self.objects.items() if n not in self._cache}
-        try:
-            got = self.store.get_many(list(keys))
-        except FileNotFoundError:
-            # Some object is not in objects/: it may sit in a running gc's trash. Fetch
-            # one by one so each is looked for there (raw() names the tensor if not).
-            got = {}
-            for name in keys.values():
-                self.raw(name)
-        for key, data in got.items():
-            self._cache[keys[key]] = memoryview(bytearray(data))
+        self._files.update(prefetch(self.store, list(self.objects.values())))
 
     def raw(self, stored: str) -> memoryview:
         if stored not in self._cache:
+            expected = self.stored[stored].nbytes
             try:
-                self._cache[stored] = read_object(self.store, self.objects[stored])
+                view = read_object(self.store, self.objects[stored], expected, files=self._files)
             except FileNotFoundError:
                 raise damaged(self.path, stored, "its object is missing") from None
+            except FormatError as e:
+                raise damaged(self.path, stored, str(e)) from None
+            self._cache[stored] = view
         view = self._cache[stored]
         expected = self.stored[stored].nbytes
         if view.nbytes != expected:

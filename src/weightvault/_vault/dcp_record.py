@@ -22,7 +22,7 @@ from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
 from .._file.header import TensorInfo, encode_header
 from .._file.manifest import MANIFEST_KEY, Manifest
-from .objects import DIGEST, ObjectCheckpoint, content_hash, damaged, object_key, read_object
+from .objects import DIGEST, ObjectCheckpoint, content_hash, damaged, prefetch, read_object
 from .records import parse_header_text, parse_record, record_key
 from .store import Store
 
@@ -140,6 +140,7 @@ class DcpCheckpoint(ObjectCheckpoint):
                 objects[f"{fqn}@{i}"] = c.digest
                 sizes[f"{fqn}@{i}"] = c.nbytes(t.dtype)
         self._pieces: dict[str, bytes | memoryview] = {}
+        self._files: dict[str, bytes] = {}
         super().__init__(
             store, where, header.tensors, manifest,
             framework=header.metadata.get("format"), objects=objects, sizes=sizes,
@@ -160,33 +161,24 @@ class DcpCheckpoint(ObjectCheckpoint):
 
     def fetch(self) -> None:
         """Bring the model's chunk objects into memory now, concurrently."""
-        keys = {
-            object_key(c.digest): c.digest
-            for s in self.stored
-            for c in self.tensors[self.prefix + s].chunks
-            if c.digest not in self._pieces
-        }
-        try:
-            got = self.store.get_many(sorted(keys))
-        except FileNotFoundError:
-            # Some chunk is not in objects/: it may sit in a running gc's trash, where
-            # _piece looks for it (and names the tensor if it is nowhere).
-            return
-        for key, data in got.items():
-            self._pieces[keys[key]] = data
+        digests = [c.digest for s in self.stored for c in self.tensors[self.prefix + s].chunks]
+        self._files.update(prefetch(self.store, digests))
 
     def _piece(self, stored: str, c: Chunk, dtype: str) -> bytes | memoryview:
+        expected = c.nbytes(dtype)
         if c.digest not in self._pieces:
             try:
-                self._pieces[c.digest] = read_object(self.store, c.digest)
+                self._pieces[c.digest] = read_object(
+                    self.store, c.digest, expected, files=self._files
+                )
             except FileNotFoundError:
                 raise damaged(self.path, stored, "a chunk object is missing") from None
+            except FormatError as e:
+                raise damaged(self.path, stored, str(e)) from None
         data = self._pieces[c.digest]
-        if len(data) != c.nbytes(dtype):
+        if len(data) != expected:
             raise damaged(
-                self.path,
-                stored,
-                f"a chunk object holds {len(data)} bytes, expected {c.nbytes(dtype)}",
+                self.path, stored, f"a chunk object holds {len(data)} bytes, expected {expected}"
             )
         return data
 

@@ -7,7 +7,12 @@ someone now names go back, only the rest are deleted, from the trash. A save che
 object after its intent is visible (see :mod:`.commit`); if that check came before the
 move, the intent (or the checkpoint it became) is visible to the re-read, which puts the
 object back; if it came after, the save found the object missing and wrote it again.
-However long gc stalls at any point, no checkpoint loses an object. Reads find an object
+However long gc stalls at any point, no checkpoint loses an object.
+
+**Delta bases.** An object stored as a delta (see :mod:`.delta`) needs its base, which
+its frame names. Each read of what is live follows those names, transitively, from the
+objects' current frames: a save that writes a delta names its base in its intent, and a
+checkpoint that reuses a delta object keeps its whole chain. Reads find an object
 in a gc's trash while it sits there (:mod:`.objects`), and the trash of a gc that died is
 put back by the next gc or by :func:`break_gc_lock`.
 
@@ -31,7 +36,7 @@ from collections.abc import Callable
 
 from .._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
 from .checkpoint import open_record
-from .objects import DIGEST, is_temp, object_key
+from .objects import DIGEST, is_temp, object_key, with_bases
 from .records import read_doc, record_names
 from .store import Blob, Store
 
@@ -178,7 +183,7 @@ def _untrash(store: Store, whose: Callable[[str], bool], beat: Beat = lambda: No
         parts = blob.key.split("/")
         if len(parts) != 3 or is_temp(blob.key) or not DIGEST.fullmatch(parts[2]):
             continue
-        if whose(parts[1]) and store.rename(blob.key, object_key(parts[2])):
+        if whose(parts[1]) and store.put_back(blob.key, object_key(parts[2])):
             restored += 1
             beat()
     return restored
@@ -237,7 +242,7 @@ def _intent_objects(store: Store, beat: Beat, expire_before: float | None) -> se
 
 
 def _live(store: Store, beat: Beat, *, expire_before: float | None) -> set[str]:
-    """Every object an intent or a checkpoint names."""
+    """Every object an intent or a checkpoint names, and every delta base those need."""
     # Intents before checkpoints: a save that commits and drops its intent between the
     # two reads is then still seen, as a checkpoint.
     live = _intent_objects(store, beat, expire_before)
@@ -253,7 +258,8 @@ def _live(store: Store, beat: Beat, *, expire_before: float | None) -> set[str]:
             ) from e
         live |= set(ckpt.objects.values())
         beat()
-    return live
+    # A delta needs its base, and the base its own: each frame names the next.
+    return with_bases(store, live, beat)
 
 
 def _free_trash(
@@ -264,7 +270,7 @@ def _free_trash(
     while moved:
         blob, digest = moved.pop()
         if digest in live:
-            store.rename(f"trash/{gc_id}/{digest}", blob.key)
+            store.put_back(f"trash/{gc_id}/{digest}", blob.key)
         else:
             store.delete(f"trash/{gc_id}/{digest}")
             freed += blob.size
@@ -323,5 +329,5 @@ def collect(store: Store) -> int:
     finally:
         # On any error, whatever is still in the trash goes back before gc stops.
         for blob, digest in moved:
-            store.rename(f"trash/{gc_id}/{digest}", blob.key)
+            store.put_back(f"trash/{gc_id}/{digest}", blob.key)
         store.delete(marker)

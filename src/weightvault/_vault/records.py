@@ -71,8 +71,14 @@ class CheckpointRecord:
         created: When it was committed (seconds since the epoch).
         logical_bytes: What its tensors take with every name written out.
         stored_bytes: Its distinct tensor bytes (what a deduplicated single file holds).
-        new_bytes: Bytes this checkpoint added to the vault when it was saved.
+        new_bytes: Raw bytes of the objects this checkpoint added to the vault when it
+            was saved.
         metadata: Your metadata.
+        framework: The ``"format"`` of the adapter that saved it.
+        tensors: How many names the model has.
+        written_bytes: What those new objects take on disk, compressed (as ``new_bytes``
+            for checkpoints saved before objects were compressed).
+        weights_only: Its training state was dropped (``retain(training_state_last=)``).
     """
 
     name: str
@@ -83,6 +89,8 @@ class CheckpointRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     framework: str | None = None
     tensors: int = 0
+    written_bytes: int = 0
+    weights_only: bool = False
 
 
 def check_name(name: object, where: str, *, latest: bool = False) -> str:
@@ -325,6 +333,7 @@ def parse_record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRec
         FormatError: A field is absent or of the wrong kind, naming it.
     """
     n = "a byte count"
+    new_bytes = _field(doc, where, "new_bytes", _is_count, n)
     return CheckpointRecord(
         name=name,
         created=float(
@@ -332,10 +341,14 @@ def parse_record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRec
         ),
         logical_bytes=_field(doc, where, "logical_bytes", _is_count, n),
         stored_bytes=_field(doc, where, "stored_bytes", _is_count, n),
-        new_bytes=_field(doc, where, "new_bytes", _is_count, n),
+        new_bytes=new_bytes,
         metadata=dict(_field(doc, where, "metadata", _is_strings, "an object of strings", {})),
         framework=_field(
             doc, where, "framework", lambda v: v is None or isinstance(v, str), "a string", None
         ),
         tensors=_field(doc, where, "tensors", _is_count, "a count", 0),
+        written_bytes=_field(doc, where, "written_bytes", _is_count, n, new_bytes),
+        weights_only=_field(
+            doc, where, "weights_only", lambda v: type(v) is bool, "true or false", False
+        ),
     )

@@ -17,14 +17,16 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .._base.dtypes import ITEMSIZE
 from .._base.errors import CheckpointNotFoundError, FormatError
 from .._file.header import TensorInfo, encode_header
-from .._file.layout import with_training
+from .._file.layout import is_training, with_training
 from .._file.manifest import MANIFEST_KEY
 from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
 from .checkpoint import VaultCheckpoint
 from .commit import begin, commit_record, each, release, store_missing, workers
+from .delta import Encoder, Storage
 from .objects import checksum, content_hash, is_temp
 from .records import VERSION, CheckpointRecord, parse_record, read_doc
 from .store import Store
@@ -88,14 +90,55 @@ def _address(pool: ThreadPoolExecutor, placed: Placed, progress: Progress | None
     return {s.name: h for s, h in zip(stored, hashes, strict=True)}
 
 
+def _bases(
+    placed: Placed, digests: Mapping[str, str], storage: Storage, store: Store
+) -> dict[str, str]:
+    """``{digest: base digest}``: each changed tensor's object in the parent checkpoint,
+    when it has the same name, dtype and shape there."""
+    if storage.codec is None or storage.max_chain <= 0:
+        return {}
+    parent = storage.parent_tensors(store)
+    out: dict[str, str] = {}
+    for s, info in placed:
+        old = parent.get(s.name)
+        if old is None or (old[1], old[2]) != (info.dtype, info.shape):
+            continue
+        if old[0] != digests[s.name] and (storage.training_deltas or not is_training(s.name)):
+            out.setdefault(digests[s.name], old[0])
+    return out
+
+
+def _encoder(
+    store: Store,
+    storage: Storage,
+    placed: Placed,
+    digests: Mapping[str, str],
+    bases: Mapping[str, str],
+) -> Encoder:
+    """How this save writes its objects: byte planes by dtype, deltas against ``bases``,
+    and the raw bytes of possible future bases kept in the vault's cache."""
+    keep = [d for n, d in digests.items() if storage.training_deltas or not is_training(n)]
+    return Encoder(
+        store,
+        storage.codec,
+        itemsizes={digests[s.name]: ITEMSIZE[info.dtype] for s, info in placed},
+        bases=bases,
+        cache=storage.cache,
+        keep=frozenset(keep),
+        max_chain=storage.max_chain,
+    )
+
+
 def _store(
     store: Store,
     pool: ThreadPoolExecutor,
     placed: Placed,
     digests: Mapping[str, str],
     sums: Checksums,
-) -> int:
-    """Write the objects the vault lacks and learn every checksum; return the new bytes."""
+    encoder: Encoder,
+) -> tuple[int, int]:
+    """Write the objects the vault lacks and learn every checksum; return the new raw
+    bytes and the bytes their files hold."""
     first: dict[str, Stored] = {}
     for s, _ in placed:
         first.setdefault(digests[s.name], s)
@@ -105,7 +148,11 @@ def _store(
             sums[digest] = checksum(data)  # the bytes just written, read once
 
     new = store_missing(
-        store, {d: (s.nbytes, s.data) for d, s in first.items()}, pool=pool, wrote=wrote
+        store,
+        {d: (s.nbytes, s.data) for d, s in first.items()},
+        pool=pool,
+        wrote=wrote,
+        encoder=encoder,
     )
     sums.learn(store, first)
     unknown = [d for d in first if d not in sums]
@@ -113,7 +160,7 @@ def _store(
         unknown, each(pool, lambda d: checksum(first[d].data()), unknown), strict=True
     ):
         sums[digest] = value
-    return sum(first[d].nbytes for d in new)
+    return sum(first[d].nbytes for d in new), sum(new.values())
 
 
 def _record_doc(
@@ -157,6 +204,7 @@ def save_sources(
     progress: Progress | None,
     sums: Checksums,
     gc_wait: float,
+    storage: Storage,
 ) -> CheckpointRecord:
     """Commit ``sources`` (and ``training``'s section) as one checkpoint.
 
@@ -168,11 +216,17 @@ def save_sources(
     placed = layout(p.stored)
     pool = workers()
     digests = _address(pool, placed, progress)
-    intent = begin(store, digests.values(), gc_wait=gc_wait)
+    bases = _bases(placed, digests, storage, store)
+    # The intent names the bases too: gc keeps them while this save XORs against them.
+    intent = begin(store, [*digests.values(), *bases.values()], gc_wait=gc_wait)
+    encoder = _encoder(store, storage, placed, digests, bases)
     try:
-        new_bytes = _store(store, pool, placed, digests, sums)
+        new_bytes, written = _store(store, pool, placed, digests, sums, encoder)
         doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
+        doc["written_bytes"] = written
         name = commit_record(store, doc, name)
     finally:
         release(store, [intent])
+    storage.parent = {s.name: (digests[s.name], info.dtype, info.shape) for s, info in placed}
+    storage.cache.keep_only(set(digests.values()))
     return parse_record(name, doc, name)

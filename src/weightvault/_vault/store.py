@@ -65,10 +65,26 @@ class Store:
     def rename(self, src: str, dst: str) -> bool:
         """Move ``src`` to ``dst``, replacing it; False if ``src`` is gone.
 
-        Only content-addressed keys are moved (gc's trash), so a replaced ``dst`` always
-        held the same bytes.
+        Only content-addressed keys are moved (gc's trash), to a ``dst`` that is new.
         """
         raise NotImplementedError
+
+    def put_back(self, src: str, dst: str) -> bool:
+        """Move ``src`` to ``dst`` unless ``dst`` exists, then drop ``src``; False if
+        ``src`` is gone.
+
+        How gc puts an object back from its trash. A save may have written the object
+        again meanwhile, in another form (compressed, or a delta on another base) that
+        stands for the same raw bytes: that one stays, since what gc knows to keep alive
+        is its delta chain, not the trashed one's.
+        """
+        if not self.exists(src):
+            return False
+        if not self.exists(dst) and self.put(dst, self.get(src), exclusive=True):
+            self.delete(src)
+            return True
+        self.delete(src)
+        return True
 
     def sync(self, keys: Iterable[str]) -> None:
         """Make the directory entries of ``keys`` durable (local stores only)."""
@@ -158,6 +174,18 @@ class LocalStore(Store):
             os.replace(self._path(src), target)
         except FileNotFoundError:
             return False
+        return True
+
+    def put_back(self, src: str, dst: str) -> bool:
+        target = self._path(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.link(self._path(src), target)  # never replaces: fails if dst exists
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            return False
+        self.delete(src)
         return True
 
     def sync(self, keys: Iterable[str]) -> None:

@@ -31,7 +31,9 @@ from .._file.writer import check_names
 from .._tools.convert import rewrite
 from .adapters import Adapter, adapter_for
 from .checkpoint import VaultCheckpoint, open_record
+from .codec import DEFAULT, codec_named
 from .dcp_record import DcpCheckpoint
+from .delta import DELTA_CHAIN, Storage
 from .gc import break_gc_lock, collect
 from .marker import create_vault, holds_vault, require_vault
 from .records import (
@@ -42,6 +44,7 @@ from .records import (
     read_doc,
     resolve,
 )
+from .retain import drop_training_except_last
 from .save import Checksums, Progress, save_sources
 from .store import open_store
 from .verify import VaultVerifyReport, verify_vault
@@ -61,11 +64,22 @@ class Vault:
         root: A local folder or an fsspec URL such as ``s3://bucket/run1``.
         create: Make the vault now if there is none yet, instead of at the first save.
         gc_wait: How long a save waits for a running gc before giving up, in seconds.
+        compression: How new objects are compressed (``"blosc2"``: byte planes, then
+            zstd), or ``None`` to write raw bytes. Either way every object is named by the
+            blake3 of its raw bytes, and vaults of any mix of them load.
+        delta_chain: A changed tensor is stored as the XOR with its previous value when
+            that is smaller, with a full object at least every ``delta_chain + 1`` saves
+            (so a load reads at most ``delta_chain + 1`` objects per tensor); 0 turns
+            deltas off.
+        training_state_last: Keep optimizer, scheduler and RNG state only in the newest
+            ``N`` checkpoints: each save drops it from older ones, whose weights stay
+            loadable (see :meth:`retain`). ``None`` keeps all of it.
         **storage_options: Passed to fsspec for remote roots (endpoint, credentials).
 
     Raises:
         FormatError: ``root`` holds something that is not a vault (a file, or another
             ``vault.json``).
+        ValueError: ``compression`` names no codec, or a count is negative.
 
     Example:
         >>> vault = Vault("runs/finetune")
@@ -82,11 +96,22 @@ class Vault:
         *,
         create: bool = False,
         gc_wait: float = 600.0,
+        compression: str | None = DEFAULT,
+        delta_chain: int = DELTA_CHAIN,
+        training_state_last: int | None = None,
         **storage_options: Any,
     ) -> None:
         self.store = open_store(root, **storage_options)
         self.gc_wait = gc_wait
         self._options = dict(storage_options)
+        if delta_chain < 0 or (training_state_last is not None and training_state_last < 0):
+            raise ValueError(f"{self.store.url}: delta_chain and training_state_last must be >= 0")
+        self.training_state_last = training_state_last
+        self.storage = Storage(
+            codec_named(compression, self.store.url),
+            max_chain=delta_chain,
+            training_deltas=training_state_last is None,
+        )
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
@@ -158,12 +183,19 @@ class Vault:
         _check_names(sources, training, metadata, self.url)
 
         def work() -> CheckpointRecord:
-            return save_sources(
+            return self._trimmed(save_sources(
                 self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
                 metadata=metadata, progress=progress, sums=self._sums, gc_wait=self.gc_wait,
-            )  # fmt: skip
+                storage=self.storage,
+            ))  # fmt: skip
 
         return self._in_background(work, name) if background else work()
+
+    def _trimmed(self, record: CheckpointRecord) -> CheckpointRecord:
+        """``record``, once older checkpoints lost their training state (if asked)."""
+        if self.training_state_last is not None:
+            drop_training_except_last(self.store, self.training_state_last)
+        return record
 
     def _in_background(
         self, work: Callable[[], CheckpointRecord], name: str | None
@@ -272,23 +304,42 @@ class Vault:
         delete_record(self.store, name)
 
     def retain(
-        self, keep_last: int | None = None, keep_every: int | None = None
+        self,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        *,
+        training_state_last: int | None = None,
     ) -> builtins.list[str]:
-        """Delete checkpoints except the last ``keep_last`` and every ``keep_every``-th.
+        """Delete checkpoints except the last ``keep_last`` and every ``keep_every``-th,
+        and drop the training state of all but the last ``training_state_last``.
 
-        Returns the names deleted. With neither argument, nothing is deleted.
+        A checkpoint whose training state is dropped keeps its weights (it loads as
+        before); resuming from it raises :class:`~weightvault.TrainingStateError`. What
+        either frees goes at the next :meth:`gc`, except objects a kept checkpoint's
+        deltas are built on.
+
+        Returns:
+            The names deleted. With no argument, nothing changes.
+
+        Example:
+            >>> vault.retain(training_state_last=1)   # weights of every checkpoint, one resumable
+            []
         """
         records = self.list()
-        if keep_last is None and keep_every is None:
-            return []
-        keep: set[str] = set()
-        if keep_last:
-            keep |= {r.name for r in records[-keep_last:]}
-        if keep_every:
-            keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
-        deleted = [r.name for r in records if r.name not in keep]
-        for name in deleted:
-            self.delete(name)
+        deleted: builtins.list[str] = []
+        if keep_last is not None or keep_every is not None:
+            keep: set[str] = set()
+            if keep_last:
+                keep |= {r.name for r in records[-keep_last:]}
+            if keep_every:
+                keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
+            deleted = [r.name for r in records if r.name not in keep]
+            for name in deleted:
+                self.delete(name)
+        if training_state_last is not None:
+            if training_state_last < 0:
+                raise ValueError(f"{self.url}: training_state_last must be >= 0")
+            drop_training_except_last(self.store, training_state_last)
         return deleted
 
     def gc(self) -> int:
@@ -330,7 +381,12 @@ class Vault:
         # Another process (DCP's process-based async_save pickles the storage writer)
         # opens the same vault again from its URL and options; what lives only in this
         # process (a background save, snapshot buffers, cached checksums) stays here.
-        return (_reopen, (self.url, self.gc_wait, self._options))
+        settings = {
+            "compression": self.storage.codec.name if self.storage.codec else None,
+            "delta_chain": self.storage.max_chain,
+            "training_state_last": self.training_state_last,
+        }
+        return (_reopen, (self.url, self.gc_wait, {**settings, **self._options}))
 
     def __repr__(self) -> str:
         return f"Vault({self.url!r})"

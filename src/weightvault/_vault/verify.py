@@ -1,6 +1,7 @@
 """Checking a whole vault: every record readable, every object present, sized and hashed.
 
-Each object is hashed once however many checkpoints share it, and an object a gc holds
+Each object is hashed once however many checkpoints share it (a compressed or delta
+object is rebuilt first, so the hash is always of its raw bytes), and an object a gc holds
 in its trash still counts (reads find it there, and that gc or the next puts it back).
 Damage of any kind is reported, never raised.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from .._base.errors import CheckpointNotFoundError, FormatError
 from .checkpoint import VaultCheckpoint, open_record
 from .dcp_record import DcpCheckpoint
-from .objects import content_hash, locations
+from .objects import content_hash, read_object
 from .records import read_doc, record_names
 from .store import Store
 
@@ -31,23 +32,25 @@ class VaultVerifyReport:
 
 
 def check_object(store: Store, digest: str, expected: int) -> str | None:
-    """What is wrong with object ``digest`` (which must hold ``expected`` bytes), or None."""
-    for key in locations(store, digest):
-        size = store.size(key)
-        if size is None:
-            continue
-        if size != expected:
-            return f"object {digest[:12]} holds {size} bytes, expected {expected} (truncated)"
-        try:
-            data = store.view(key)
-        except FileNotFoundError:
-            continue  # moved to or from a trash meanwhile
-        except OSError as e:
-            return f"object {digest[:12]} is unreadable ({e})"
-        if content_hash(data) != digest:
-            return f"object {digest[:12]} is corrupt (hash mismatch)"
-        return None
-    return f"object {digest[:12]} is missing"
+    """What is wrong with object ``digest`` (which must hold ``expected`` raw bytes), or
+    None. A compressed or delta object is rebuilt (its whole chain) and its raw bytes
+    hashed, so the check is the same whatever way the object is stored."""
+    try:
+        data = read_object(store, digest, expected)
+    except FileNotFoundError:
+        return f"object {digest[:12]} is missing"
+    except FormatError as e:
+        return f"object {digest[:12]} is damaged ({e})"
+    except OSError as e:
+        return f"object {digest[:12]} is unreadable ({e})"
+    if data.nbytes != expected:
+        return (
+            f"object {digest[:12]} holds {data.nbytes} bytes, expected {expected} "
+            "(truncated or corrupt)"
+        )
+    if content_hash(data) != digest:
+        return f"object {digest[:12]} is corrupt (hash mismatch)"
+    return None
 
 
 def _check_checkpoint(

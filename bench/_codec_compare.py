@@ -1,0 +1,116 @@
+"""The codec comparison of bench_compress.py: numpy byte planes + ``zstandard`` against
+blosc2 (its C shuffle + zstd), on the tensors of really trained checkpoints.
+
+Each contender compresses the same buffers in 4 MiB blocks on ONE thread (per-core
+speed), splitting each block into byte planes by the dtype's item size, and must give
+back the exact bytes. Contenders alternate within each round; the minimum time counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+BLOCK = 4 << 20
+
+Compress = Callable[[bytes, int], list[bytes]]
+Decompress = Callable[[list[bytes], int, int], bytearray]
+
+
+def _blocks(data: bytes) -> list[bytes]:
+    return [data[i : i + BLOCK] for i in range(0, len(data), BLOCK)]
+
+
+def zstd_planes(level: int) -> tuple[Compress, Decompress]:
+    """numpy splits each block into planes (a transpose), zstandard compresses them."""
+    import zstandard
+
+    comp = zstandard.ZstdCompressor(level=level)
+    dec = zstandard.ZstdDecompressor()
+
+    def c(data: bytes, k: int) -> list[bytes]:
+        return [
+            comp.compress(np.frombuffer(b, np.uint8).reshape(-1, k).T.copy()) for b in _blocks(data)
+        ]
+
+    def d(blocks: list[bytes], k: int, n: int) -> bytearray:
+        out = bytearray(n)
+        flat = np.frombuffer(out, np.uint8)
+        pos = 0
+        for b in blocks:
+            planes = np.frombuffer(dec.decompress(b), np.uint8)
+            m = planes.size
+            flat[pos : pos + m].reshape(-1, k)[:] = planes.reshape(k, -1).T
+            pos += m
+        return out
+
+    return c, d
+
+
+def blosc2_shuffle(level: int) -> tuple[Compress, Decompress]:
+    """blosc2's SHUFFLE filter splits the planes (SIMD, in C), then zstd."""
+    import blosc2
+
+    def c(data: bytes, k: int) -> list[bytes]:
+        return [
+            blosc2.compress2(
+                b, typesize=k, clevel=level, codec=blosc2.Codec.ZSTD,
+                filters=[blosc2.Filter.SHUFFLE], nthreads=1,
+            )
+            for b in _blocks(data)
+        ]  # fmt: skip
+
+    def d(blocks: list[bytes], k: int, n: int) -> bytearray:
+        out = bytearray(n)
+        view = memoryview(out)
+        pos = 0
+        for b in blocks:
+            m = blosc2.get_cbuffer_sizes(b)[0]
+            blosc2.decompress2(b, dst=view[pos : pos + m], nthreads=1)
+            pos += m
+        return out
+
+    return c, d
+
+
+def contenders() -> dict[str, tuple[Compress, Decompress]]:
+    out = {}
+    for level in (1, 3):
+        with contextlib.suppress(ImportError):  # zstandard is the bench's, not weightvault's
+            out[f"numpy planes + zstandard {level}"] = zstd_planes(level)
+        out[f"blosc2 shuffle + zstd {level}"] = blosc2_shuffle(level)
+    return out
+
+
+def compare(data: dict[str, tuple[bytes, int]], rounds: int) -> list[dict[str, Any]]:
+    """Ratio and one-core compress/decompress GB/s of every contender on every buffer."""
+    rows = []
+    every = contenders()
+    for label, (buf, k) in data.items():
+        times: dict[str, list[tuple[float, float]]] = {n: [] for n in every}
+        sizes: dict[str, int] = {}
+        names = list(every)
+        for r in range(rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                c, d = every[name]
+                t0 = time.perf_counter()
+                blocks = c(buf, k)
+                t1 = time.perf_counter()
+                back = d(blocks, k, len(buf))
+                t2 = time.perf_counter()
+                assert bytes(back) == buf, name
+                times[name].append((t1 - t0, t2 - t1))
+                sizes[name] = sum(len(b) for b in blocks)
+        for name in names:
+            rows.append({
+                "tensors": label, "codec": name, "mb": len(buf) / 1e6,
+                "ratio": sizes[name] / len(buf),
+                "compress_gbs": len(buf) / min(t for t, _ in times[name]) / 1e9,
+                "decompress_gbs": len(buf) / min(t for _, t in times[name]) / 1e9,
+            })  # fmt: skip
+    return rows

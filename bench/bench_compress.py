@@ -1,0 +1,252 @@
+"""Compressed and delta vault objects on really trained weights (issue 20).
+
+A byte-level GPT-2 (4 blocks x 256, vocabulary 256) is trained on the Python standard
+library's source for 300 steps with AdamW: 200 steps at lr 1e-3 with a checkpoint every
+20, then 100 at lr 3e-5 with one every 10 (``bench/_train_lm.py``). Each checkpoint is
+written Trainer-style (``model.safetensors`` + ``torch.save`` of optimizer, scheduler and
+RNG state, fsynced). Then, from those checkpoints:
+
+- ``codecs``: numpy byte planes + ``zstandard`` against blosc2's shuffle + zstd, one core,
+  on weights, AdamW moments, bf16 weights and XOR deltas between checkpoints;
+- ``sizes``: each phase's 10 checkpoints saved into a vault that keeps the weights of
+  every checkpoint and the full training state of the last (``training_state_last=1``),
+  against the 10 Trainer-style folders; also with bf16 weights (fp32 master weights and
+  moments as the optimizer state), and for several delta chain lengths K;
+- ``time``: a synchronous ``vault.save`` of model + optimizer + scheduler + RNG against
+  ``save_model`` + ``torch.save(optimizer.state_dict())`` (both fsynced), the background
+  save's blocking time, and a load against ``load_model``.
+
+    PYTHONPATH=src .venv/bin/python bench/bench_compress.py all     # ~35 min on 2 cores
+
+``all`` trains into a temporary folder and deletes it at the end; ``--dir`` keeps a
+trained run between the other subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _codec_compare as codecs
+import _train_lm as T
+import torch
+from _common import fsync_path, machine, table
+
+from weightvault import Vault
+from weightvault._vault.delta import DELTA_CHAIN
+from weightvault._vault.diff import DIFFERENCE, XOR, make_delta
+
+
+def disk(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _flat(tensors: list[torch.Tensor]) -> bytes:
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def buffers(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """The checkpoint's weights (tie once), AdamW moments and bf16 weights, as bytes."""
+    model, opt, _ = T.restore(folder)
+    params = list(model.parameters())  # unique: the tied head is the embedding
+    state = [opt.state[p] for p in params]
+    return {
+        "fp32 weights": (_flat([p.detach() for p in params]), 4),
+        "fp32 exp_avg": (_flat([s["exp_avg"] for s in state]), 4),
+        "fp32 exp_avg_sq": (_flat([s["exp_avg_sq"] for s in state]), 4),
+        "bf16 weights": (_flat([p.detach().bfloat16() for p in params]), 2),
+    }
+
+
+def cmd_codecs(root: Path, rounds: int) -> list[dict[str, Any]]:
+    a = T.checkpoints(root, "a")
+    b = T.checkpoints(root, "b")
+    last_a, prev_a = buffers(a[-1]), buffers(a[-2])
+    last_b, prev_b = buffers(b[-1]), buffers(b[-2])
+    data = dict(last_a)
+    for label in ("fp32 weights", "fp32 exp_avg_sq", "bf16 weights"):
+        k = last_a[label][1]
+        for lr, new, old in (("1e-3", last_a, prev_a), ("3e-5", last_b, prev_b)):
+            for kind, how in ((XOR, "XOR"), (DIFFERENCE, "difference")):
+                delta = make_delta(memoryview(new[label][0]), old[label][0], kind, k)
+                data[f"{label} {how} prev, lr {lr}"] = (bytes(delta), k)
+    return codecs.compare(data, rounds)
+
+
+def trainer_bytes(folders: list[Path], bf16: bool, scratch: Path) -> int:
+    """What the Trainer's own folders take (written again in bf16 for that variant)."""
+    if not bf16:
+        return sum(disk(f) for f in folders)
+    total = 0
+    for f in folders:
+        model, opt, sched = T.restore(f)
+        half, master = T.as_bf16(model, opt)
+        out = scratch / f"bf16-{f.name}"
+        T.save_trainer_style(out, half, master, sched)
+        total += disk(out)
+        shutil.rmtree(out)
+    return total
+
+
+def vault_run(folders: list[Path], root: Path, bf16: bool, **options: Any) -> dict[str, Any]:
+    """Save every checkpoint into a new vault; return its size and the newest load time."""
+    vault = Vault(root, training_state_last=1, **options)
+    for f in folders:
+        model, opt, sched = T.restore(f)
+        if bf16:
+            model, opt = T.as_bf16(model, opt)
+        vault.save(model, optimizer=opt, scheduler=sched, rng=True)
+    vault.gc()  # frees the training state dropped from all but the newest checkpoint
+    size = vault.disk_bytes()
+    model = T.build()
+    if bf16:
+        model = model.to(torch.bfloat16)
+    loads = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        vault.load(model, "latest")
+        loads.append(time.perf_counter() - t0)
+    return {"vault_bytes": size, "load_s": min(loads)}
+
+
+def cmd_sizes(root: Path, scratch: Path, chains: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for phase, lr in (("a", "1e-3"), ("b", "3e-5")):
+        folders = T.checkpoints(root, phase)
+        for bf16 in (False, True):
+            trainer = trainer_bytes(folders, bf16, scratch)
+            for k in chains if not bf16 else [DELTA_CHAIN]:
+                target = scratch / f"vault-{phase}-{bf16}-{k}"
+                run = vault_run(folders, target, bf16, delta_chain=k)
+                shutil.rmtree(target)
+                rows.append({
+                    "lr": lr, "weights": "bf16" if bf16 else "fp32", "K": k,
+                    "checkpoints": len(folders), "trainer_bytes": trainer, **run,
+                    "ratio": run["vault_bytes"] / trainer,
+                })  # fmt: skip
+                print(rows[-1], flush=True)
+    return rows
+
+
+def _plain_save(folder: Path, model: Any, opt: Any) -> None:
+    from safetensors.torch import save_model
+
+    folder.mkdir()
+    save_model(model, str(folder / "model.safetensors"))
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    for f in folder.iterdir():
+        fsync_path(str(f))
+
+
+def cmd_time(root: Path, scratch: Path, rounds: int) -> dict[str, Any]:
+    """Sync save, background blocking and load, against save_model + torch.save.
+
+    Each contender keeps one vault (or folder) for the whole run, as a training run does,
+    and saves the checkpoints of the lr 1e-3 phase in order, so every save holds new
+    values and a vault saves deltas against the one before; the first save is untimed.
+    """
+    states = [T.restore(f) for f in T.checkpoints(root, "a")[: rounds + 1]]
+    names = ["save_model + torch.save", "vault", "vault, compression=None", "vault bg"]
+    vaults = {
+        n: Vault(scratch / f"time-{i}", compression=None if "None" in n else "blosc2")
+        for i, n in enumerate(names[1:])
+    }
+    for vault in vaults.values():
+        model, opt, sched = states[0]
+        vault.save(model, optimizer=opt, scheduler=sched, rng=True)
+    times: dict[str, list[float]] = {}
+    for r in range(1, len(states)):
+        model, opt, sched = states[r]
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            if name == "save_model + torch.save":
+                _plain_save(scratch / f"plain-{r}", model, opt)
+            else:
+                bg = name == "vault bg"
+                handle = vaults[name].save(
+                    model, optimizer=opt, scheduler=sched, rng=True, background=bg
+                )
+                if bg:
+                    times.setdefault("vault bg, blocking", []).append(time.perf_counter() - t0)
+                    handle.wait()
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+    out = {name: min(ts) for name, ts in times.items()}
+    out.update(_load_times(states[-1][0], scratch, rounds))
+    return out
+
+
+def _load_times(model: Any, scratch: Path, rounds: int) -> dict[str, float]:
+    """``vault.load`` (compressed, and raw objects) against safetensors' ``load_model``."""
+    from safetensors.torch import load_model, save_model
+
+    plain = scratch / "load.safetensors"
+    save_model(model, str(plain))
+    packed, raw = Vault(scratch / "load-vault"), Vault(scratch / "load-raw", compression=None)
+    packed.save(model)
+    raw.save(model)
+    fresh = T.build()
+    contenders = {
+        "load_model": lambda: load_model(fresh, str(plain)),
+        "vault.load": lambda: packed.load(fresh, "latest"),
+        "vault.load, compression=None": lambda: raw.load(fresh, "latest"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        order = list(contenders)[r % 3 :] + list(contenders)[: r % 3]
+        for name in order:
+            t0 = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["train", "codecs", "sizes", "time", "all"])
+    ap.add_argument("--dir", type=Path, help="the trained run (made by 'train')")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--chains", default="0,1,2,4,8,16", help="delta chain lengths K to size")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    _ = bytearray(2 << 30)  # touch memory first: the VM's first touch of fresh pages is slow
+    del _
+    temp = args.dir is None
+    root = args.dir or Path(tempfile.mkdtemp(prefix="wv-bench-compress-"))
+    scratch = Path(tempfile.mkdtemp(prefix="wv-bench-scratch-"))
+    results: dict[str, Any] = {"machine": machine()}
+    try:
+        if args.what in ("train", "all") and not T.checkpoints_exist(root):
+            T.train(root, 200, 20, 100, 10)
+        if args.what in ("codecs", "all"):
+            results["codecs"] = cmd_codecs(root, args.rounds)
+            rows = results["codecs"]
+            print(table(
+                [[r["tensors"], r["codec"], f"{r['ratio']:.3f}", f"{r['compress_gbs']:.2f}",
+                  f"{r['decompress_gbs']:.2f}"] for r in rows],
+                ["tensors", "codec", "ratio", "compress GB/s", "decompress GB/s"],
+            ), flush=True)  # fmt: skip
+        if args.what in ("sizes", "all"):
+            chains = [int(k) for k in args.chains.split(",")]
+            results["sizes"] = cmd_sizes(root, scratch, chains)
+        if args.what in ("time", "all"):
+            results["time"] = cmd_time(root, scratch, args.rounds)
+            print(json.dumps(results["time"], indent=1), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if temp:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

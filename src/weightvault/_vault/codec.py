@@ -1,0 +1,173 @@
+"""Lossless compression of one block of an object: byte planes, then zstd (through blosc2).
+
+A float's bytes differ in kind: the sign and exponent byte of trained weights takes few
+values, the low mantissa bytes are close to noise. Grouping byte ``i`` of every element
+into plane ``i`` (blosc2's ``SHUFFLE`` filter, with the dtype's item size) puts alike
+bytes together, and zstd then squeezes the exponent planes and leaves the noise as it is.
+blosc2 does the shuffle in C (SIMD) and releases the GIL, so blocks compress on every
+core at once; docs/benchmarks.md (section "Compressed objects") has the comparison with
+numpy planes + ``zstandard`` that chose it.
+
+Decoding is bounded: a block is decompressed only into a buffer of the size the frame
+and the checkpoint record agree on, and only after blosc2's own header says exactly that
+size (python-blosc2's ``decompress2`` trusts that header for the destination's size, so
+the check here is what keeps a lying block from writing past the buffer).
+
+Example:
+    >>> data = memoryview(bytes(4096))
+    >>> packed = compress_block(CODECS["blosc2"], data, 4)
+    >>> out = bytearray(4096)
+    >>> decompress_block(CODECS["blosc2"].id, packed, memoryview(out), 4)
+    >>> bytes(out) == bytes(data)
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .._base.errors import BackendNotInstalled
+
+__all__ = [
+    "BLOCK",
+    "CODECS",
+    "DEFAULT",
+    "STORED",
+    "Codec",
+    "codec_named",
+    "codec_pool",
+    "compress_block",
+    "decompress_block",
+]
+
+#: Raw bytes per block: blocks compress independently, on all cores, and a ranged read
+#: (a DCP box) decodes only the blocks it covers.
+BLOCK = 4 << 20
+#: blosc2 refuses buffers of 2 GiB or more; blocks stay far below.
+_BLOSC_MAX_OVERHEAD = 32
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One way to compress blocks.
+
+    Attributes:
+        name: What ``Vault(compression=...)`` accepts.
+        id: The byte an object frame records (see :mod:`.frame`); never reused.
+        level: The compression level (zstd's).
+    """
+
+    name: str
+    id: int
+    level: int
+
+
+#: Blocks kept as they are (id 0); written only for raw bytes that look like a frame.
+STORED = Codec("stored", 0, 0)
+#: The codecs a vault writes; every id here can be read.
+CODECS = {"blosc2": Codec("blosc2", 1, 1)}
+DEFAULT = "blosc2"
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def codec_named(name: str | None, where: str) -> Codec | None:
+    """The codec ``Vault(compression=name)`` asks for; ``None`` keeps objects raw.
+
+    Raises:
+        ValueError: No codec has that name.
+    """
+    if name is None:
+        return None
+    if name not in CODECS:
+        raise ValueError(
+            f"{where}: unknown compression {name!r}; use one of {sorted(CODECS)} or None"
+        )
+    return CODECS[name]
+
+
+def codec_pool() -> ThreadPoolExecutor:
+    """Threads that (de)compress blocks, one per core; they never wait on other work."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(os.cpu_count() or 1, "weightvault-codec")
+        return _pool
+
+
+def _forget_pool() -> None:
+    # A forked child has the pool object but none of its threads.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _blosc2() -> Any:
+    try:
+        import blosc2
+    except ImportError:
+        raise BackendNotInstalled(
+            "compressed vault objects need blosc2: pip install blosc2 (a weightvault "
+            "dependency; reinstall weightvault)"
+        ) from None
+    return blosc2
+
+
+def compress_block(codec: Codec, data: memoryview, itemsize: int) -> bytes | memoryview:
+    """``data`` compressed as byte planes of ``itemsize`` (``data`` itself for STORED)."""
+    if codec.id == STORED.id:
+        return data
+    b = _blosc2()
+    return bytes(
+        b.compress2(
+            data,
+            typesize=itemsize,
+            clevel=codec.level,
+            codec=b.Codec.ZSTD,
+            filters=[b.Filter.SHUFFLE],
+            nthreads=1,  # blocks already run on every core (codec_pool)
+        )
+    )
+
+
+def decompress_block(
+    codec_id: int, src: bytes | memoryview, out: memoryview, itemsize: int
+) -> None:
+    """Fill ``out`` (exactly the block's raw size) from block ``src``.
+
+    Raises:
+        ValueError: ``src`` is not a block of exactly ``out.nbytes`` raw bytes, or does
+            not decompress; the message says which.
+    """
+    if codec_id == STORED.id:
+        if len(src) != out.nbytes:
+            raise ValueError(f"a stored block holds {len(src)} bytes, expected {out.nbytes}")
+        out[:] = src
+        return
+    if codec_id not in {c.id for c in CODECS.values()}:
+        raise ValueError(f"unknown codec {codec_id}")
+    b = _blosc2()
+    packed = bytes(src)  # a private copy: nothing can change it between check and use
+    if len(packed) < _BLOSC_MAX_OVERHEAD:
+        raise ValueError(f"a compressed block of {len(packed)} bytes is shorter than its header")
+    nbytes, cbytes, _ = b.get_cbuffer_sizes(packed)
+    if nbytes != out.nbytes or cbytes != len(packed):
+        raise ValueError(
+            f"a compressed block claims {nbytes} raw bytes in {cbytes}, expected "
+            f"{out.nbytes} in {len(packed)}"
+        )
+    if nbytes == 0:
+        return
+    try:
+        got = b.decompress2(packed, dst=out, nthreads=1)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"a compressed block does not decompress ({e})") from None
+    if got is not None:
+        raise ValueError("a compressed block decompressed to an unexpected buffer")

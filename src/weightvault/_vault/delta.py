@@ -1,0 +1,260 @@
+"""How a save stores an object: raw, compressed, or as a delta against the parent checkpoint.
+
+A tensor that changed since the parent checkpoint (the newest one, the same name, dtype
+and shape) is usually close to its old value: the sign, the exponent and the high
+mantissa bits of most elements are unchanged, so ``new XOR old`` is mostly zero bits,
+and it compresses far better than the tensor itself. :class:`Encoder` tries that delta,
+and the plain compressed object when the delta is not clearly better, and keeps the
+smallest of the two and the raw bytes (compression must save at least
+1 - :data:`PAYS` of an object to be kept).
+
+Chains stay short: a delta's depth is its base's plus one, and a base at depth
+``max_chain`` gets a full object instead, so a load reads at most ``max_chain + 1``
+objects per tensor. A base must be in ``objects/`` when the save looks (after its intent
+names the base, as :mod:`.commit` requires); gc keeps every base a live object's frame
+names (see :mod:`.gc`).
+
+The base's raw bytes come from :class:`BaseCache`, which keeps the raw bytes of the
+previous save's objects within a byte budget, or else from the store (its chain decoded).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .._base.errors import CheckpointNotFoundError, FormatError
+from .codec import STORED, Codec
+from .diff import delta_kind, make_delta
+from .frame import MAX_DEPTH, encode_frame, is_frame
+from .objects import object_frame, object_key, read_object
+from .store import Store
+
+__all__ = [
+    "CACHE_BYTES",
+    "DELTA_CHAIN",
+    "PAYS",
+    "BaseCache",
+    "Encoder",
+    "Storage",
+    "Tensors",
+    "chain_digests",
+    "newest_tensors",
+    "stored_depth",
+]
+
+#: A full object at least every this many saves of a tensor (measured: docs/benchmarks.md).
+DELTA_CHAIN = 8
+#: A frame is kept only if it is at most this fraction of the raw bytes.
+PAYS = 0.95
+#: A delta this good is kept without also trying the full object.
+_GOOD_DELTA = 0.9
+#: Raw bytes of the previous save's objects a vault keeps as delta bases, at most.
+CACHE_BYTES = 1 << 30
+
+
+class BaseCache:
+    """Raw bytes of recently written objects, kept to XOR the next save's tensors against.
+
+    Bounded by ``budget`` bytes; only the objects of the newest save are kept (their
+    digests are what the next save's bases will be).
+    """
+
+    def __init__(self, budget: int = CACHE_BYTES) -> None:
+        self.budget = budget
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> bytes | None:
+        with self._lock:
+            return self._items.get(digest)
+
+    def put(self, digest: str, raw: memoryview) -> None:
+        """Keep a copy of ``raw`` (the caller's buffer may change after the save)."""
+        if raw.nbytes > self.budget:
+            return
+        with self._lock:
+            if digest in self._items or self._size + raw.nbytes > self.budget:
+                return
+        copy = bytes(raw)
+        with self._lock:
+            if digest not in self._items:
+                self._items[digest] = copy
+                self._size += len(copy)
+
+    def __getstate__(self) -> dict[str, int]:
+        # A pickled vault (sent to a worker process) starts with an empty cache.
+        return {"budget": self.budget}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(state["budget"])  # type: ignore[misc]
+
+    def keep_only(self, digests: set[str]) -> None:
+        """Drop everything but ``digests`` (the objects the newest save named)."""
+        with self._lock:
+            for d in [d for d in self._items if d not in digests]:
+                self._size -= len(self._items.pop(d))
+
+
+#: A checkpoint's tensors: ``{stored name: (object digest, dtype, shape)}``.
+Tensors = dict[str, tuple[str, str, tuple[int, ...]]]
+
+
+@dataclass
+class Storage:
+    """How a vault stores the objects of its saves (one per :class:`~weightvault.Vault`).
+
+    Attributes:
+        codec: How objects are compressed; ``None`` keeps them raw.
+        max_chain: The deepest delta written; 0 writes no deltas.
+        training_deltas: Whether training state may be stored as deltas. A vault that
+            drops old training state (``training_state_last``) stores it in full, or
+            every dropped state would stay as the base of the next one.
+        cache: Raw bytes of the previous save's objects, the next save's delta bases.
+        parent: The tensors of this vault's previous save (read from the newest record
+            when unknown).
+    """
+
+    codec: Codec | None
+    max_chain: int = DELTA_CHAIN
+    training_deltas: bool = True
+    cache: BaseCache = field(default_factory=BaseCache)
+    parent: Tensors | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        # Another process reads the newest record again: this one's memory is not its.
+        return {**self.__dict__, "parent": None}
+
+    def parent_tensors(self, store: Store) -> Tensors:
+        """The tensors deltas are taken against: the previous save's, or the newest record's."""
+        if self.parent is None:
+            self.parent = newest_tensors(store)
+        return self.parent
+
+
+def newest_tensors(store: Store) -> Tensors:
+    """The tensors of the newest checkpoint (none if it is unreadable or a DCP one)."""
+    from .checkpoint import VaultCheckpoint
+    from .records import list_records, read_doc
+
+    try:
+        records = list_records(store)
+        if not records:
+            return {}
+        ckpt = VaultCheckpoint(store, records[-1].name, read_doc(store, records[-1].name))
+    except (FormatError, CheckpointNotFoundError):
+        return {}  # no bases: this save writes full objects
+    return {n: (ckpt.objects[n], i.dtype, i.shape) for n, i in ckpt.stored.items()}
+
+
+def stored_depth(store: Store, digest: str, nbytes: int) -> int | None:
+    """The chain depth of object ``digest`` in ``objects/`` (0 for a full or raw one), or
+    ``None`` if it is not there as an object of ``nbytes`` raw bytes.
+
+    Only ``objects/`` is looked at, never a gc's trash: like :func:`~.commit.store_missing`,
+    a save may rely only on what it sees there after its intent is visible.
+    """
+    from .frame import parse_frame_header
+
+    key = object_key(digest)
+    size = store.size(key)
+    if size is None:
+        return None
+    if size == nbytes:
+        return 0
+    try:
+        head = store.get_range(key, 0, 64)
+        frame = parse_frame_header(memoryview(head)) if is_frame(head) else None
+    except (FileNotFoundError, FormatError):
+        return None
+    return frame.depth if frame is not None and frame.raw_size == nbytes else None
+
+
+def chain_digests(store: Store, digest: str) -> set[str]:
+    """The bases object ``digest``'s frames name, down its chain (from frame headers)."""
+    out: set[str] = set()
+    for _ in range(MAX_DEPTH):
+        frame = object_frame(store, digest)
+        if frame is None or frame.base is None or frame.base in out:
+            break
+        digest = frame.base
+        out.add(digest)
+    return out
+
+
+@dataclass
+class Encoder:
+    """Turns an object's raw bytes into the bytes of its file, for one save.
+
+    Attributes:
+        store: The vault's store (bases are read from it when not cached).
+        codec: How to compress; ``None`` writes raw bytes (``Vault(compression=None)``).
+        itemsizes: ``{digest: bytes per element}``; others are split into 4-byte planes.
+        bases: ``{digest: the parent checkpoint's object of the same tensor}``.
+        cache: Raw bytes of recent objects, to XOR against without reading the store.
+        keep: Digests worth caching as the next save's bases.
+        max_chain: The deepest delta written (0: no deltas).
+    """
+
+    store: Store
+    codec: Codec | None
+    itemsizes: Mapping[str, int]
+    bases: Mapping[str, str]
+    cache: BaseCache | None = None
+    keep: frozenset[str] = frozenset()
+    max_chain: int = DELTA_CHAIN
+
+    def encode(self, digest: str, data: memoryview | bytes) -> memoryview | bytes:
+        """What object ``digest``'s file holds: a frame if that pays, else ``data``."""
+        raw = memoryview(data).cast("B")
+        if self.cache is not None and digest in self.keep:
+            self.cache.put(digest, raw)
+        if self.codec is None:
+            return _as_raw(raw)
+        itemsize = self.itemsizes.get(digest, 4)
+        best: bytes | None = None
+        delta = self._delta(digest, raw, itemsize)
+        if delta is not None:
+            best = delta
+        if best is None or len(best) > _GOOD_DELTA * raw.nbytes:
+            full = b"".join(encode_frame(raw, itemsize, self.codec))
+            best = full if best is None or len(full) < len(best) else best
+        if len(best) <= PAYS * raw.nbytes:
+            return best
+        return _as_raw(raw)
+
+    def _delta(self, digest: str, raw: memoryview, itemsize: int) -> bytes | None:
+        """The delta frame against the parent's object, or ``None`` if there is none."""
+        base = self.bases.get(digest)
+        if base is None or self.max_chain <= 0 or self.codec is None:
+            return None
+        depth = stored_depth(self.store, base, raw.nbytes)
+        if depth is None or depth >= self.max_chain:
+            return None  # absent: write in full; at the deepest: a full object restarts
+        if digest in chain_digests(self.store, base):
+            # The tensor went back to an old value that a gc holds in its trash while
+            # this save rewrites it: a delta on a chain through itself would be a cycle.
+            return None
+        old = self.cache.get(base) if self.cache is not None else None
+        if old is None:
+            try:
+                old = bytes(read_object(self.store, base, raw.nbytes))
+            except (FileNotFoundError, FormatError):
+                return None
+        if len(old) != raw.nbytes:
+            return None
+        kind = delta_kind(itemsize, raw.nbytes)
+        payload = memoryview(make_delta(raw, old, kind, itemsize))
+        parts = encode_frame(payload, itemsize, self.codec, base=base, kind=kind, depth=depth + 1)
+        return b"".join(parts)
+
+
+def _as_raw(raw: memoryview) -> memoryview | bytes:
+    """``raw`` itself, unless it starts like a frame: then a stored frame, so that every
+    reader can tell (see :mod:`.frame`)."""
+    if is_frame(raw):
+        return b"".join(encode_frame(raw, 1, STORED))
+    return raw

@@ -1,0 +1,252 @@
+"""The object frame: how a vault object that is not a tensor's raw bytes says what it is.
+
+An object file under ``objects/`` is either the tensor's raw bytes (every object written
+before frames existed, and any object compression did not shrink) or a frame::
+
+    offset  size  field
+    0       8     magic  b"\\x89WVO\\r\\n\\x1a\\n"
+    8       1     frame version (1)
+    9       1     codec id (0 stored, 1 blosc2: byte planes + zstd; see .codec)
+    10      1     item size: the byte planes each block was split into (1 to 255)
+    11      1     kind: 0 a full object; a delta otherwise, whose payload is the
+                  transform of :mod:`.diff` with this id applied to raw and base
+                  (1 XOR, 2 zigzag integer difference of item-size words)
+    12      2     depth: 0 for a full object, a delta's is its base's plus one
+    14      2     reserved, 0
+    16      8     raw size: the bytes the object stands for (its name is their blake3)
+    24      8     block size: raw bytes per block (the last block may be shorter)
+    32      32    base: the blake3 digest of the delta's base object (zeros if full)
+    64      8*n   the compressed length of each of the n = ceil(raw / block) blocks
+    ...           the blocks, in order
+
+All integers are little-endian. The object is still named by the blake3 of its RAW
+bytes, so deduplication and ``verify`` do not depend on how it is stored. A frame is
+never exactly as long as its raw bytes (a compressed frame is kept only when shorter,
+a stored one is longer by its header), so a reader that knows the tensor's size tells a
+raw object from a frame by its length; one that does not (a ranged DCP read) goes by the
+magic, which raw bytes starting with it never are (they are written as a stored frame).
+
+Everything here is bytes in, bytes out; :mod:`.objects` reads frames from a store and
+follows delta chains. Errors here say what is wrong with the frame; the readers add
+which object and which tensor.
+
+Example:
+    >>> parts = encode_frame(memoryview(bytes(1 << 16)), 4, CODECS["blosc2"])
+    >>> frame = parse_frame(memoryview(b"".join(parts)), 1 << 16)
+    >>> (frame.raw_size, frame.depth, frame.base)
+    (65536, 0, None)
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from concurrent.futures import wait
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .._base.errors import FormatError
+from .codec import BLOCK, CODECS, STORED, Codec, codec_pool, compress_block, decompress_block
+from .diff import KINDS, apply_delta
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_DEPTH",
+    "VERSION",
+    "Frame",
+    "decode_into",
+    "encode_frame",
+    "is_frame",
+    "parse_frame",
+    "parse_frame_header",
+]
+
+MAGIC = b"\x89WVO\r\n\x1a\n"
+VERSION = 1
+_HEADER = struct.Struct("<8sBBBBHHQQ32s")
+HEADER_SIZE = _HEADER.size  # 64
+#: The longest delta chain a reader follows; writers keep far shorter ones (see .delta).
+MAX_DEPTH = 64
+#: Blocks smaller than this (or over 1 GiB) mark a frame no writer made.
+_MIN_BLOCK, _MAX_BLOCK = 1 << 12, 1 << 30
+#: Below this many raw bytes an object is (de)compressed on the calling thread.
+_INLINE = 1 << 20
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A parsed frame header and block table."""
+
+    codec: int
+    itemsize: int
+    kind: int
+    depth: int
+    raw_size: int
+    block_size: int
+    base: str | None
+    lengths: tuple[int, ...]
+
+    def block(self, i: int) -> tuple[int, int, int]:
+        """Block ``i``'s ``(raw start, raw length, file offset)``."""
+        start = i * self.block_size
+        offset = HEADER_SIZE + 8 * len(self.lengths) + sum(self.lengths[:i])
+        return start, min(self.block_size, self.raw_size - start), offset
+
+
+def is_frame(data: bytes | memoryview) -> bool:
+    """Whether ``data`` starts like a frame."""
+    return bytes(data[: len(MAGIC)]) == MAGIC
+
+
+def encode_frame(
+    raw: memoryview,
+    itemsize: int,
+    codec: Codec,
+    *,
+    base: str | None = None,
+    kind: int = 0,
+    depth: int = 0,
+) -> list[bytes | memoryview]:
+    """The frame of ``raw`` (already a delta against its base, for one), as parts to join.
+
+    Args:
+        raw: The bytes to store (for a delta, :func:`~.diff.make_delta`'s output).
+        itemsize: Bytes per element, the byte planes blocks are split into.
+        codec: How to compress each block.
+        base: The base object's digest, for a delta.
+        kind: The delta's transform (:mod:`.diff`), for a delta.
+        depth: The chain depth, for a delta (its base's plus one).
+    """
+    raw = raw.cast("B")
+    planes = itemsize if 0 < itemsize < 256 and raw.nbytes % itemsize == 0 else 1
+    spans = [(i, min(i + BLOCK, raw.nbytes)) for i in range(0, raw.nbytes, BLOCK)]
+    blocks = _map(lambda s: compress_block(codec, raw[s[0] : s[1]], planes), spans, raw.nbytes)
+    header = _HEADER.pack(
+        MAGIC, VERSION, codec.id, planes, kind if base else 0, depth, 0,
+        raw.nbytes, BLOCK, bytes.fromhex(base) if base else bytes(32),
+    )  # fmt: skip
+    table = struct.pack(f"<{len(blocks)}Q", *(len(b) for b in blocks))
+    return [header + table, *blocks]
+
+
+def _fields(data: memoryview) -> tuple[int, ...]:
+    try:
+        magic, version, codec, planes, kind, depth, _, raw, block, base = _HEADER.unpack_from(data)
+    except struct.error:
+        raise FormatError(
+            f"the object is {data.nbytes} bytes, shorter than a frame header"
+        ) from None
+    if magic != MAGIC:
+        raise FormatError("the object is not a frame (bad magic)")
+    if version != VERSION:
+        raise FormatError(f"unknown object frame version {version}; upgrade weightvault")
+    if codec != STORED.id and codec not in {c.id for c in CODECS.values()}:
+        raise FormatError(f"unknown codec id {codec}; upgrade weightvault")
+    if kind != 0 and kind not in KINDS:
+        raise FormatError(f"unknown delta kind {kind}; upgrade weightvault")
+    delta = kind != 0
+    if planes == 0 or delta != (depth > 0) or depth > MAX_DEPTH:
+        raise FormatError(f"inconsistent frame header (kind {kind}, depth {depth})")
+    if delta == (base == bytes(32)) or not _MIN_BLOCK <= block <= _MAX_BLOCK:
+        raise FormatError("inconsistent frame header (base or block size)")
+    return codec, planes, kind, depth, raw, block, int.from_bytes(base, "big") if delta else -1
+
+
+def parse_frame_header(data: memoryview) -> Frame:
+    """The fixed header of a frame (``lengths`` left empty), for gc and size checks.
+
+    Raises:
+        FormatError: The header is inconsistent or of an unknown version.
+    """
+    codec, planes, kind, depth, raw, block, base = _fields(data.cast("B"))
+    digest = f"{base:064x}" if base >= 0 else None
+    return Frame(codec, planes, kind, depth, raw, block, digest, ())
+
+
+def parse_frame(data: memoryview, expected: int | None) -> Frame:
+    """The frame at the start of ``data`` (the whole object file), every field checked.
+
+    Args:
+        data: The object file's bytes (or at least its header and table, when
+            ``data`` is only a prefix; the total length is then not checked).
+        expected: The raw size the checkpoint record gives, if known.
+
+    Raises:
+        FormatError: Anything is inconsistent: a raw size other than ``expected``, a block
+            table longer than the file, block lengths that do not add up to the file's
+            length (truncated or padded), an unknown version or codec.
+    """
+    data = data.cast("B")
+    codec, planes, kind, depth, raw, block, base = _fields(data)
+    if expected is not None and raw != expected:
+        raise FormatError(f"the frame claims {raw} raw bytes, the record says {expected}")
+    n = -(-raw // block)
+    if HEADER_SIZE + 8 * n > data.nbytes:
+        raise FormatError(f"the frame's block table ({n} blocks) runs past its end (truncated)")
+    lengths = struct.unpack_from(f"<{n}Q", data, HEADER_SIZE)
+    total = HEADER_SIZE + 8 * n + sum(lengths)
+    if total != data.nbytes:
+        raise FormatError(
+            f"the frame's blocks add up to {total} bytes, the object holds {data.nbytes} "
+            "(truncated or padded)"
+        )
+    digest = f"{base:064x}" if base >= 0 else None
+    return Frame(codec, planes, kind, depth, raw, block, digest, tuple(lengths))
+
+
+def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int) -> None:
+    """Decode bytes ``[start, start + len(out))`` of ``frame`` into ``out``.
+
+    For a delta, ``out`` holds the base's bytes and the decoded delta is applied to them
+    (:func:`~.diff.apply_delta`); the range must then start and end on whole items. Only
+    the blocks that cover the range are decoded, on all cores for large ranges; nothing
+    is allocated beyond one block per thread.
+
+    Raises:
+        FormatError: A block does not decode to its recorded size.
+    """
+    data, out = data.cast("B"), out.cast("B")
+    end = start + out.nbytes
+    if not 0 <= start <= end <= frame.raw_size:
+        raise FormatError(f"bytes [{start}, {end}) lie outside the object's {frame.raw_size}")
+    first, last = start // frame.block_size, -(-end // frame.block_size)
+    wanted = [i for i in range(first, last) if frame.block(i)[1] > 0]
+
+    def one(i: int) -> None:
+        b_start, length, offset = frame.block(i)
+        src = data[offset : offset + frame.lengths[i]]
+        lo, hi = max(start, b_start), min(end, b_start + length)
+        target = out[lo - start : hi - start]
+        if not frame.kind and (lo, hi) == (b_start, b_start + length):
+            _decompress(frame, src, target)
+            return
+        block = memoryview(bytearray(length))
+        _decompress(frame, src, block)
+        if frame.kind:
+            apply_delta(target, block[lo - b_start : hi - b_start], frame.kind, frame.itemsize)
+        else:
+            target[:] = block[lo - b_start : hi - b_start]
+
+    _map(one, wanted, out.nbytes)
+
+
+def _decompress(frame: Frame, src: memoryview, out: memoryview) -> None:
+    try:
+        decompress_block(frame.codec, src, out, frame.itemsize)
+    except ValueError as e:
+        raise FormatError(str(e)) from None
+
+
+def _map(fn: Callable[[T], R], items: Sequence[T], nbytes: int) -> list[R]:
+    """``fn`` over ``items``: in this thread when small, else on the codec threads."""
+    if nbytes < _INLINE or len(items) < 2:
+        return [fn(i) for i in items]
+    futures = [codec_pool().submit(fn, i) for i in items]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        wait(futures)

@@ -1,0 +1,417 @@
+"""Compressed and delta vault objects, and weights-only history (issue 20).
+
+Every object stays named by the blake3 of its raw bytes whatever its file holds, so the
+oracles are the raw bytes themselves: loads must give them back bitwise, ``verify`` must
+hash them, and a plain safetensors reader must read exports. A vault written before
+objects were compressed (``tests/fixtures/legacy_vault``) must keep loading.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import weightvault  # noqa: E402
+import weightvault._vault.commit as commit_module  # noqa: E402
+from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
+from weightvault import TrainingStateError, Vault  # noqa: E402
+from weightvault._vault.delta import Encoder  # noqa: E402
+from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header  # noqa: E402
+
+FIXTURE = Path(__file__).with_name("fixtures") / "legacy_vault"
+
+
+def object_file(root: Path, digest: str) -> Path:
+    return root / "objects" / digest[:2] / digest
+
+
+def frames(root: Path, name: str) -> dict[str, Any]:
+    """``{stored tensor: frame header or None (raw)}`` of checkpoint ``name``."""
+    doc = json.loads((root / "checkpoints" / f"{name}.json").read_text())
+    out = {}
+    for stored, digest in doc["objects"].items():
+        head = object_file(root, digest).read_bytes()[:HEADER_SIZE]
+        out[stored] = parse_frame_header(memoryview(head)) if head[:8] == MAGIC else None
+    return out
+
+
+def trained(steps: int, seed: int = 0, width: int = 64) -> tuple[nn.Module, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        step(model, opt)
+    return model, opt
+
+
+def step(model: nn.Module, opt: Any) -> None:
+    x = torch.randn(8, model[0].in_features)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def optimizer_state(opt: Any) -> dict[str, torch.Tensor]:
+    return {
+        f"{i}/{k}": v.clone()
+        for i, st in opt.state_dict()["state"].items()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+# -- vaults written before this change --------------------------------------------------
+
+
+def legacy(tmp_path: Path) -> tuple[Path, dict[str, dict[str, str]]]:
+    root = tmp_path / "legacy"
+    shutil.copytree(FIXTURE, root)
+    expected = json.loads(FIXTURE.with_name("legacy_vault.expected.json").read_text())
+    return root, expected
+
+
+def fixture_model() -> nn.Module:
+    m = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 4), nn.Linear(4, 6, bias=False))
+    m[2].weight = m[0].weight
+    m[1].bias.requires_grad_(False)
+    return m
+
+
+def fixture_optimizer(m: nn.Module) -> Any:
+    return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_a_vault_written_before_compression_loads_bitwise_and_verifies(tmp_path: Path) -> None:
+    root, expected = legacy(tmp_path)
+    vault = Vault(root)
+    assert vault.verify().ok
+    assert [r.name for r in vault.list()] == ["step-1", "step-2", "dcp"]
+    for name in ("step-1", "step-2", "dcp"):
+        model = fixture_model()
+        opt = fixture_optimizer(model)
+        if name == "dcp":  # saved by plain dcp.save under "model."
+            vault.load(model, name, rules=[("model.*", "*")])
+        else:
+            vault.load(model, name, optimizer=opt)
+        for key, value in model.state_dict().items():
+            assert value.numpy().tobytes().hex() == expected[name][f"model/{key}"], (name, key)
+        if name != "dcp":
+            for key, value in optimizer_state(opt).items():
+                assert value.numpy().tobytes().hex() == expected[name][f"optim/{key}"], key
+    # Every object there is raw bytes (no frame), as the old code wrote them.
+    assert all(f is None for f in frames(root, "step-2").values())
+
+
+def test_new_compressed_saves_into_an_old_vault_keep_both_loadable(tmp_path: Path) -> None:
+    root, expected = legacy(tmp_path)
+    vault = Vault(root)
+    model = fixture_model()
+    opt = fixture_optimizer(model)
+    vault.load(model, "step-2", optimizer=opt)
+    with torch.no_grad():
+        model[1].weight.add_(0.001)
+    vault.save(model, "step-3", optimizer=opt)
+    vault.gc()
+    assert vault.verify().ok
+    for name in ("step-1", "step-2"):
+        fresh = fixture_model()
+        vault.load(fresh, name)
+        got = {k: v.numpy().tobytes().hex() for k, v in fresh.state_dict().items()}
+        assert got == {k[6:]: v for k, v in expected[name].items() if k.startswith("model/")}
+
+
+# -- compressed objects ------------------------------------------------------------------
+
+
+def test_objects_are_compressed_named_by_their_raw_bytes_and_export_plain(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model, opt = trained(3, width=128)
+    vault = Vault(tmp_path / "v")
+    rec = vault.save(model, optimizer=opt)
+    with vault.open("latest") as ckpt:
+        for stored, digest in ckpt.objects.items():
+            raw = ckpt.raw(stored)
+            assert blake3.blake3(raw).hexdigest() == digest  # the name is the raw bytes'
+            on_disk = object_file(tmp_path / "v", digest).stat().st_size
+            if raw.nbytes >= 1 << 14:  # weights and moments compress; a bias may not pay
+                assert on_disk < 0.95 * raw.nbytes, stored
+    assert rec.written_bytes < 0.95 * rec.new_bytes
+    assert sum(
+        f.stat().st_size for f in (tmp_path / "v" / "objects").rglob("*") if f.is_file()
+    ) == (rec.written_bytes)
+    assert vault.verify().ok
+    out = tmp_path / "plain.safetensors"
+    vault.export("latest", out)
+    plain, want = load_file(str(out)), snapshot(model)
+    assert_bitwise({k: plain[k] for k in want}, want)
+    fresh, fresh_opt = trained(0, seed=5, width=128)
+    vault.load(fresh, "latest", optimizer=fresh_opt)
+    assert_bitwise(snapshot(fresh), snapshot(model))
+    assert_bitwise(optimizer_state(fresh_opt), optimizer_state(opt))
+
+
+def test_compression_none_writes_raw_objects(tmp_path: Path) -> None:
+    model = build(1, width=64)
+    vault = Vault(tmp_path, compression=None)
+    rec = vault.save(model)
+    assert rec.written_bytes == rec.new_bytes
+    assert all(f is None for f in frames(tmp_path, rec.name).values())
+    vault.save(build(2, width=64))  # changed head: still raw, no delta
+    assert all(f is None for f in frames(tmp_path, "000002").values())
+
+
+def test_an_unknown_compression_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown compression 'lz77'"):
+        Vault(tmp_path, compression="lz77")
+
+
+def test_raw_bytes_that_look_like_a_frame_are_stored_unambiguously(tmp_path: Path) -> None:
+    """A tensor whose bytes start with the frame magic and do not compress."""
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    noise[:8] = torch.tensor(list(MAGIC), dtype=torch.uint8)
+    for compression in ("blosc2", None):
+        vault = Vault(tmp_path / str(compression), compression=compression)
+        vault.save({"w": noise})
+        with vault.open("latest") as ckpt:
+            assert bytes(ckpt.raw("w")) == noise.numpy().tobytes()
+        assert vault.verify().ok
+
+
+# -- delta objects -------------------------------------------------------------------------
+
+
+def test_changed_tensors_are_deltas_with_a_full_object_every_k_saves(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    vault = Vault(tmp_path, delta_chain=2)
+    saved = []
+    for _ in range(7):
+        step(model, opt)
+        vault.save(model, optimizer=opt)
+        saved.append((snapshot(model), optimizer_state(opt)))
+    depths = [frames(tmp_path, r.name)["0.weight"] for r in vault.list()]
+    assert [f.depth for f in depths] == [0, 1, 2, 0, 1, 2, 0]
+    assert all(f.base is None for f in depths[::3])
+    for rec, (weights, state) in zip(vault.list(), saved, strict=True):
+        fresh, fresh_opt = trained(0, seed=9)
+        vault.load(fresh, rec.name, optimizer=fresh_opt)
+        assert_bitwise(snapshot(fresh), weights)
+        assert_bitwise(optimizer_state(fresh_opt), state)
+    assert vault.verify().ok
+
+
+def test_a_load_reads_at_most_k_plus_one_objects_per_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = trained(1)
+    vault = Vault(tmp_path, delta_chain=3)
+    for _ in range(4):
+        step(model, opt)
+        vault.save(model)
+    reads: list[str] = []
+    real = vault.store.view
+    monkeypatch.setattr(vault.store, "view", lambda key: reads.append(key) or real(key))
+    with vault.open("latest") as ckpt:
+        ckpt.raw("0.weight")
+    assert len(reads) == 4  # the newest delta, two more, and the full object
+
+
+def test_delete_and_gc_keep_every_base_a_kept_delta_needs(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    vault = Vault(tmp_path)
+    for _ in range(5):
+        step(model, opt)
+        vault.save(model)
+    last = snapshot(model)
+    newest = frames(tmp_path, "000005")
+    assert newest["0.weight"].depth == 4 and newest["2.weight"].depth == 4
+    chain = [
+        json.loads((tmp_path / "checkpoints" / f"{r.name}.json").read_text())["objects"]["0.weight"]
+        for r in vault.list()
+    ]
+    vault.retain(keep_last=1)
+    assert vault.gc() > 0  # the biases, too small to be deltas, go
+    # The older weight objects are the newest delta's chain: all still there.
+    assert all(object_file(tmp_path, d).exists() for d in chain)
+    fresh, _ = trained(0, seed=3)
+    vault.load(fresh, "latest")
+    assert_bitwise(snapshot(fresh), last)
+    assert vault.verify().ok
+
+
+def test_a_tensor_that_returns_to_an_old_value_is_not_a_delta_on_itself(tmp_path: Path) -> None:
+    """A, B, A: the third save's object already exists and is reused, never re-encoded."""
+    vault = Vault(tmp_path)
+    a = {"w": torch.linspace(-1, 1, 4096)}
+    b = {"w": a["w"] + 1e-3}
+    for values in (a, b, a, b):
+        vault.save(values)
+    vault.retain(keep_last=2)
+    vault.gc()
+    for name, values in zip(["000003", "000004"], [a, b], strict=True):
+        with vault.open(name) as ckpt:
+            assert bytes(ckpt.raw("w")) == values["w"].numpy().tobytes()
+    assert vault.verify().ok
+
+
+def test_dcp_chunks_are_compressed_and_read_by_range(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.checkpoint")
+    import torch.distributed.checkpoint as dcp
+
+    import weightvault.dcp as wdcp
+
+    model, _ = trained(2, width=128)
+    state = {"model": model.state_dict()}
+    with pytest.warns(UserWarning):
+        dcp.save(state, storage_writer=wdcp.VaultWriter(tmp_path, "d"), no_dist=True)
+    doc = json.loads((tmp_path / "checkpoints" / "d.json").read_text())
+    digest = doc["dcp"]["tensors"]["model.0.weight"]["chunks"][0][2]
+    assert object_file(tmp_path, digest).read_bytes()[:8] == MAGIC
+    fresh, _ = trained(0, seed=4, width=128)
+    target = {"model": fresh.state_dict()}
+    with pytest.warns(UserWarning):
+        dcp.load(target, storage_reader=wdcp.VaultReader(tmp_path, "d"), no_dist=True)
+    assert_bitwise(snapshot(fresh), snapshot(model))
+    assert Vault(tmp_path).verify().ok
+
+
+# -- weights-only history ------------------------------------------------------------------
+
+
+def test_retain_training_state_last_keeps_weights_and_resumes_bitwise(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    vault = Vault(tmp_path)
+    saved = []
+    for _ in range(4):
+        step(model, opt)
+        vault.save(model, optimizer=opt, rng=True)
+        saved.append(snapshot(model))
+    before = vault.disk_bytes()
+    assert vault.retain(training_state_last=1) == []
+    assert [r.weights_only for r in vault.list()] == [True, True, True, False]
+    assert vault.gc() > 0 and vault.disk_bytes() < before
+    assert vault.verify().ok
+    for rec, weights in zip(vault.list(), saved, strict=True):
+        fresh, _ = trained(0, seed=7)
+        vault.load(fresh, rec.name)
+        assert_bitwise(snapshot(fresh), weights)
+    fresh, fresh_opt = trained(0, seed=7)
+    with pytest.raises(TrainingStateError, match=r"000002\.json holds weights only"):
+        vault.load(fresh, "000002", optimizer=fresh_opt)
+
+    # Resume from the newest in a fresh vault object: the next step matches bitwise.
+    fresh, fresh_opt = trained(0, seed=7)
+    Vault(tmp_path).load(fresh, "latest", optimizer=fresh_opt, rng=True)
+    torch.manual_seed(123)
+    step(model, opt)
+    torch.manual_seed(123)
+    step(fresh, fresh_opt)
+    assert_bitwise(snapshot(fresh), snapshot(model))
+    assert_bitwise(optimizer_state(fresh_opt), optimizer_state(opt))
+
+
+def test_the_vault_option_drops_old_training_state_at_each_save(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    vault = Vault(tmp_path, training_state_last=2)
+    for _ in range(4):
+        step(model, opt)
+        vault.save(model, optimizer=opt)
+    assert [r.weights_only for r in vault.list()] == [True, True, False, False]
+    vault.gc()
+    names = {n for r in vault.list() for n in frames(tmp_path, r.name)}
+    assert any(n.startswith("__weightvault__.train/") for n in names)
+    # Training state is never a delta there: dropping it frees it, nothing builds on it.
+    for r in vault.list()[2:]:
+        for stored, f in frames(tmp_path, r.name).items():
+            if stored.startswith("__weightvault__.train/") and f is not None:
+                assert f.base is None, stored
+    assert vault.verify().ok
+
+
+# -- background saves ----------------------------------------------------------------------
+
+
+def test_a_background_save_compresses_off_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: set[str] = set()
+    real = Encoder.encode
+
+    def spy(self: Encoder, digest: str, data: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real(self, digest, data)
+
+    monkeypatch.setattr(Encoder, "encode", spy)
+    model, opt = trained(1, width=128)
+    vault = Vault(tmp_path)
+    handle = vault.save(model, optimizer=opt, background=True)
+    expected = snapshot(model)
+    step(model, opt)  # training goes on while the save compresses
+    handle.wait()
+    assert threads and threading.current_thread().name not in threads
+    fresh, _ = trained(0, seed=2, width=128)
+    vault.load(fresh, "latest")
+    assert_bitwise(snapshot(fresh), expected)
+
+
+def test_the_default_store_missing_compresses_without_deltas(tmp_path: Path) -> None:
+    """What weightvault.dcp's writer gets: frames, never deltas."""
+    vault = Vault(tmp_path, create=True)
+    raw = memoryview(torch.linspace(0, 1, 1 << 14).numpy().tobytes())
+    digest = blake3.blake3(raw).hexdigest()
+    written = commit_module.store_missing(vault.store, {digest: (raw.nbytes, lambda: raw)})
+    head = object_file(tmp_path, digest).read_bytes()
+    assert written == {digest: len(head)} and head[:8] == MAGIC
+    assert struct.unpack_from("<B", head, 11)[0] == 0  # kind: a full object, not a delta
+
+
+def test_keras_model_round_trips_through_a_compressed_vault(tmp_path: Path) -> None:
+    keras = pytest.importorskip("keras")
+    import numpy as np
+
+    def build_keras(seed: int) -> Any:
+        keras.utils.set_random_seed(seed)
+        inputs = keras.Input((32,))
+        return keras.Model(inputs, keras.layers.Dense(8)(keras.layers.Dense(64)(inputs)))
+
+    model = build_keras(0)
+    vault = Vault(tmp_path)
+    vault.save(model)
+    for w in model.weights:
+        w.assign(w.numpy() * 1.001)
+    vault.save(model)
+    fresh = build_keras(1)
+    vault.load(fresh, "latest")
+    for a, b in zip(fresh.weights, model.weights, strict=True):
+        assert np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), a.path
+    assert any(f is not None and f.base for f in frames(tmp_path, "000002").values())
+    assert vault.verify().ok
+
+
+def test_jax_pytree_round_trips_through_a_compressed_vault(tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    tree = {"dense": {"kernel": jnp.linspace(-1, 1, 64 * 64).reshape(64, 64)}}
+    vault = Vault(tmp_path)
+    vault.save(tree)
+    tree2 = {"dense": {"kernel": tree["dense"]["kernel"] * 1.001}}
+    vault.save(tree2)
+    like = {"dense": {"kernel": jnp.zeros((64, 64))}}
+    got, _ = vault.load(like, "latest")
+    assert np.array_equal(np.asarray(got["dense"]["kernel"]), np.asarray(tree2["dense"]["kernel"]))
+    assert vault.verify().ok
+    assert weightvault.Vault(tmp_path).list()[-1].written_bytes < 64 * 64 * 4
