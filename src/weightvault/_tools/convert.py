@@ -186,19 +186,23 @@ def _keras_file(
     src: PathLike | Checkpoint, dst: PathLike, rules: _rules.Rules, dedupe: bool, dry_run: bool
 ) -> SaveReport | None:
     """A Keras file rewritten as a Keras file, if both names say Keras (else ``None``)."""
-    if isinstance(src, Checkpoint) or not os.fspath(dst).lower().endswith(KERAS_TARGETS):
+    if not os.fspath(dst).lower().endswith(KERAS_TARGETS):
         return None
-    kind = detect(src)
+    # The CLI hands over the checkpoint it opened; a Keras file is rewritten from its path.
+    path = src.path if isinstance(src, Checkpoint) else src
+    if not os.path.isfile(path):
+        return None
+    kind = detect(path)
     if kind not in KERAS_KINDS:
         return None
     if rules:
         raise RuleError(
-            f"{os.fspath(src)}: rules cannot rename the datasets of a Keras file, whose "
+            f"{os.fspath(path)}: rules cannot rename the datasets of a Keras file, whose "
             "names are its layout; convert to a .safetensors name to rename"
         )
     from ..formats.keras_archive import rewrite_keras
 
-    return rewrite_keras(src, dst, kind, dedupe_copies=dedupe, dry_run=dry_run)
+    return rewrite_keras(path, dst, kind, dedupe_copies=dedupe, dry_run=dry_run)
 
 
 def _budget_views(ckpt: Checkpoint, max_bytes: int | None) -> None:
