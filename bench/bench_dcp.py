@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import weightvault.dcp as wdcp
 from weightvault import Vault
@@ -208,47 +209,18 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(path) for f in fs)
 
 
-def save_load(mib: int, repeat: int) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def save_load(mib: int, repeat: int, ranks: list[int], states: list[str]) -> list[Any]:
+    """``FileSystemWriter``/``Reader`` against ``VaultWriter``/``Reader`` on gloo ranks."""
+    import _dcp_ranks
 
-    s = _state(mib)
-    model, opt = s["model"], s["opt"]
-    out: dict[str, Any] = {}
-    base = tempfile.mkdtemp(prefix="bench-dcp-")
-    try:
-        times: dict[str, list[float]] = {
-            k: [] for k in ("fs_save", "fs_load", "wv_save", "wv_load", "wv_resave")
-        }
-        for i in range(repeat):
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd}
-            fs_dir = os.path.join(base, f"fs{i}")
-            t0 = time.perf_counter()
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(fs_dir), no_dist=True)
-            times["fs_save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            dcp.load(state, storage_reader=dcp.FileSystemReader(fs_dir), no_dist=True)
-            times["fs_load"].append(time.perf_counter() - t0)
-            root = os.path.join(base, f"vault{i}")
-            t0 = time.perf_counter()
-            wdcp.save(model, root, "a", optimizer=opt)
-            times["wv_save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            wdcp.load(model, root, "a", optimizer=opt)
-            times["wv_load"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            wdcp.save(model, root, "b", optimizer=opt)  # unchanged: nothing new to write
-            times["wv_resave"].append(time.perf_counter() - t0)
-            out["filesystem_writer_bytes"] = _du(fs_dir)
-            out["vault_bytes_one_checkpoint"] = _du(os.path.join(root, "objects"))
-        out |= {k: round(statistics.median(v), 3) for k, v in times.items()}
-        unique = {t.untyped_storage().data_ptr(): t.nbytes for t in model.state_dict().values()}
-        out["unique_model_and_optim_bytes"] = sum(unique.values()) + sum(
-            t.nbytes for st in opt.state.values() for t in st.values()
-        )
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench-dcp-") as d:
+        for kind in states:
+            for world in ranks:
+                path = os.path.join(d, f"result-{kind}-{world}.json")
+                _dcp_ranks.run_ranks(_dcp_ranks.save_load, world, kind, mib, repeat, path)
+                with open(path) as f:
+                    out.append(json.load(f))
     return out
 
 
@@ -296,7 +268,9 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1024)
     s = sub.add_parser("save-load")
     s.add_argument("--mib", type=int, default=64)
-    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--repeat", type=int, default=5)
+    s.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    s.add_argument("--state", nargs="+", choices=["fsdp", "ddp"], default=["fsdp", "ddp"])
     a = sub.add_parser("async")
     a.add_argument("--mib", type=int, default=64)
     a.add_argument("--repeat", type=int, default=3)
@@ -307,7 +281,7 @@ def main() -> None:
     elif args.cmd == "async":
         result = async_blocking(args.mib, args.repeat)
     else:
-        result = save_load(args.mib, args.repeat)
+        result = save_load(args.mib, args.repeat, args.ranks, args.state)
     print(json.dumps(result, indent=1))
 
 

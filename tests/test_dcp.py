@@ -61,8 +61,12 @@ def test_fsdp2_save_stores_each_tensor_once(saved: dict[str, Any]) -> None:
     assert "model.transformer.h.0.attn.c_attn.weight" in doc["dcp"]["frozen"]
     # Frozen parameters have no optimizer state.
     assert not [k for k in doc["dcp"]["tensors"] if k.startswith("optim.state.transformer.h.0.")]
-    # FSDP2 on 2 ranks: the embedding is stored as two chunks, one per rank.
-    assert len(doc["dcp"]["tensors"]["model.transformer.wte.weight"]["chunks"]) == 2
+    # FSDP2 on 2 ranks: the embedding is two chunks, one per rank, each listed in the
+    # chunk table of the rank that wrote it; the record keeps only the grid.
+    wte = doc["dcp"]["tensors"]["model.transformer.wte.weight"]
+    assert wte["grid"] == [W.VOCAB // 2, W.EMBD] and "chunks" not in wte
+    assert wte["tables"] == {"start": 0, "strides": [1, 0]}
+    assert len(doc["dcp"]["tables"]) == 2 and None not in doc["dcp"]["tables"]
     assert doc["dcp"]["values"]["optim.param_groups.0.betas"] == {"$tuple": [0.9, 0.999]}
     assert doc["metadata"] == {"step": "1"}
 
@@ -103,7 +107,7 @@ def test_saved_on_four_ranks_loads_on_two(tmp_path: Path) -> None:
     root, oracle = str(tmp_path / "vault"), str(tmp_path / "oracle")
     W.run_ranks(W.save_fsdp, 4, root, oracle, "s4")
     doc = json.loads((tmp_path / "vault" / "checkpoints" / "s4.json").read_text())
-    assert len(doc["dcp"]["tensors"]["model.transformer.wte.weight"]["chunks"]) == 4
+    assert doc["dcp"]["tensors"]["model.transformer.wte.weight"]["grid"] == [W.VOCAB // 4, W.EMBD]
     sizes = json.loads(Path(oracle + ".sizes.json").read_text())
     assert sizes["vault_objects"] <= 1.02 * sizes["unique"], sizes
     W.run_ranks(W.load_fsdp, 2, root, oracle, "s4", str(tmp_path / "reads.json"))
@@ -135,6 +139,44 @@ def test_one_plain_process_loads_and_exports(saved: dict[str, Any], tmp_path: Pa
 
     assert vault.verify().ok
     assert vault.gc() == 0  # every chunk, optimizer state included, is referenced
+
+
+def _as_version_1(root: Path, name: str, to: str) -> None:
+    """Checkpoint ``name`` again as ``to``, in the one-JSON record weightvault wrote before
+    per-rank chunk tables (every chunk of every tensor inline)."""
+    doc = json.loads((root / "checkpoints" / f"{name}.json").read_text())
+    with Vault(root).open(name) as ckpt:
+        tensors = {
+            fqn: {"dtype": t.dtype, "shape": list(t.shape),
+                  "chunks": [[list(c.offsets), list(c.sizes), c.digest] for c in t.chunks]}
+            for fqn, t in ckpt.tensors.items()
+        }  # fmt: skip
+    section = {k: v for k, v in doc["dcp"].items() if k not in ("tables", "table_sizes")}
+    doc["dcp"] = {**section, "version": 1, "tensors": tensors}
+    (root / "checkpoints" / f"{to}.json").write_text(json.dumps(doc))
+
+
+def test_a_record_of_one_json_still_loads(saved: dict[str, Any]) -> None:
+    """Saved on 2 ranks, rewritten as the single-JSON record of before: one plain process
+    loads it, and DCP reshards it onto one rank, bitwise."""
+    root = Path(saved["root"])
+    _as_version_1(root, "s1", "s1-v1")
+    want = load_file(saved["oracle"] + ".safetensors")
+    plain = W.gpt2(11)
+    Vault(root).load(plain, "s1-v1")
+    fresh = W.gpt2(12)
+    fresh_opt = W.optimizer(fresh)
+    wdcp.load(fresh, root, "s1-v1", optimizer=fresh_opt)
+    for model in (plain, fresh):
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[f"model.{k}"]), k
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _, osd = get_state_dict(fresh, fresh_opt)
+    for fqn, st in osd["state"].items():
+        for k, t in st.items():
+            assert torch.equal(t, want[f"optim.{fqn}.{k}"]), (fqn, k)
+    Vault(root).delete("s1-v1")
 
 
 def test_ddp_replicas_are_written_by_one_rank(tmp_path: Path) -> None:

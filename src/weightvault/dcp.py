@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ._base.errors import DistributedCheckpointError, UnstorableValueError, capped
+from ._dcp.index import VaultLoadPlanner
 from ._dcp.planner import VaultSavePlanner
 from ._dcp.reader import ReadStats, VaultReader
 from ._dcp.resume import apply_flags, fqn, install_state, optimizer_template
@@ -218,7 +218,7 @@ def load(
     if optimizer is not None:
         added = optimizer_template(model, osd, metadata, f"{OPTIM}.", fresh=fresh)
         state[OPTIM] = osd
-    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    planner = VaultLoadPlanner(allow_partial_load=not strict)
     _collective(
         f"{v.url}: loading checkpoint {reader.resolved}",
         lambda: dcp_load(state, storage_reader=reader, planner=planner, no_dist=_no_dist()),

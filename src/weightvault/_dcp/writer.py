@@ -9,44 +9,28 @@ after every rank succeeded, and it commits one record, then drops every rank's i
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._base.dtypes import ITEMSIZE, numel
-from .._base.errors import CollectivesRequiredError, FormatError
-from .._torch.tensors import NAMES, tensor_bytes
-from .._vault.commit import begin, commit_record, release, store_missing
-from .._vault.dcp_record import KIND, model_header, parse_tensors
+from .._base.errors import CollectivesRequiredError
+from .._torch.tensors import tensor_bytes
+from .._vault.commit import Data, begin, commit_record, release, store_missing
+from .._vault.dcp_layout import encode_table
 from .._vault.objects import content_hash
-from .._vault.records import VERSION, CheckpointRecord, check_free, parse_record
+from .._vault.records import CheckpointRecord, check_free, parse_record
 from .._vault.vault import VaultLike, as_vault
 from .planner import VaultSavePlanner
+from .record import Written, record_doc
 from .values import Value, to_record
 
-__all__ = ["VaultWriter"]
-
-
-@dataclass(frozen=True)
-class Written:
-    """What a rank reports for one chunk: its object, and whether it wrote it."""
-
-    digest: str
-    nbytes: int
-    new: bool
-    intent: str
+__all__ = ["VaultWriter", "Written"]
 
 
 class VaultWriter(StorageWriter):
@@ -133,11 +117,15 @@ class VaultWriter(StorageWriter):
     def _store(
         self, items: list[WriteItem], chunks: dict[int, memoryview], digests: dict[int, str]
     ) -> dict[int, WriteResult]:
-        """Steps 1 to 3 of the commit protocol for this rank's chunks."""
+        """Steps 1 to 3 of the commit protocol for this rank's chunks and chunk table."""
         store = self.vault.store
-        intent = begin(store, digests.values(), gc_wait=self.vault.gc_wait)
+        table = _table(items, digests)
+        table_digest = content_hash(table) if table is not None else None
+        objects: dict[str, Data] = {digests[i]: _data(raw) for i, raw in chunks.items()}
+        if table is not None and table_digest is not None:
+            objects[table_digest] = _data(table)
+        intent = begin(store, objects, gc_wait=self.vault.gc_wait)
         try:
-            objects = {digests[i]: (raw.nbytes, lambda raw=raw: raw) for i, raw in chunks.items()}
             new = store_missing(store, objects)
         except BaseException:
             release(store, [intent])
@@ -154,98 +142,37 @@ class VaultWriter(StorageWriter):
             else:
                 self.reused_bytes += raw.nbytes
             self.chunks += 1
-            written = Written(digest, raw.nbytes, fresh, intent)
+            written = Written(digest, raw.nbytes, fresh, intent, table_digest, len(table or b""))
             results[i] = WriteResult(items[i].index, raw.nbytes, written)
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Step 4 on the coordinator: commit the record, then drop every rank's intent."""
-        flat = [r for rs in results for r in rs]
-        tensors, values = _tables(metadata, flat, self.vault.url)
-        written: dict[str, Written] = {}
-        for r in flat:
-            w = r.storage_data
-            if isinstance(w, Written) and (w.digest not in written or w.new):
-                written[w.digest] = w  # one rank's "new" wins: it wrote the object
-        doc = self._doc(tensors, values, metadata, written)
+        doc, intents = record_doc(metadata, results, self._info, self.metadata, self.vault.url)
         name = commit_record(self.vault.store, doc, self.name)
         self.record = parse_record(name, doc, name)
-        release(self.vault.store, sorted({w.intent for w in written.values()}))
-
-    def _doc(
-        self,
-        tensors: dict[str, Any],
-        values: dict[str, Any],
-        metadata: Metadata,
-        written: Mapping[str, Written],
-    ) -> dict[str, Any]:
-        """The record: byte counts, the model's header, the chunk table and the values."""
-        info = self._info
-        ties = {a: c for a, c in dict(info.get("ties", {})).items() if c in tensors}
-        names = info.get("names") or [*tensors, *ties]
-        prefix = str(info.get("model_prefix", ""))
-        frozen = list(info.get("frozen", []))
-        parsed = parse_tensors(tensors, self.vault.url)
-        header = model_header(parsed, ties, names, frozen, prefix, "pt", self.metadata)
-        # Logical: every name's bytes, the tied alias included, as a plain state dict holds.
-        logical = sum(
-            numel(c.sizes) * ITEMSIZE[parsed[ties.get(fqn, fqn)].dtype]
-            for fqn in [*tensors, *ties]
-            for c in parsed[ties.get(fqn, fqn)].chunks
-        )
-        mappings = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
-        return {
-            "version": VERSION,
-            "kind": KIND,
-            "created": time.time(),
-            "framework": "pt",
-            "metadata": self.metadata,
-            "logical_bytes": logical,
-            "stored_bytes": sum(w.nbytes for w in written.values()),
-            "new_bytes": sum(w.nbytes for w in written.values() if w.new),
-            "tensors": len([n for n in names if n.startswith(prefix)]),
-            "header": header,
-            "dcp": {
-                "version": 1,
-                "tensors": tensors,
-                "values": values,
-                "ties": ties,
-                "mappings": mappings,
-                "model_prefix": prefix,
-                "frozen": frozen,
-            },
-        }
+        release(self.vault.store, sorted(intents))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _tables(
-    metadata: Metadata, flat: list[WriteResult], where: str
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The record's chunk table and values, from every rank's write results."""
-    by_index = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for r in flat}
-    tensors: dict[str, Any] = {}
-    values: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            got = by_index.get((fqn, ()))
-            if not isinstance(got, Value):
-                raise FormatError(f"{where}: value {fqn!r} was not written")
-            values[fqn] = got.value
+def _data(raw: memoryview | bytes) -> Data:
+    return (memoryview(raw).nbytes, lambda: raw)
+
+
+def _table(items: list[WriteItem], digests: dict[int, str]) -> bytes | None:
+    """This rank's chunk table: its chunks that are part of a tensor, not all of it.
+
+    Whole-tensor chunks (a rank's own tensor, replicated scalars) are inline in the
+    record, so a rank that holds only those writes no table.
+    """
+    partial: dict[str, list[tuple[Any, Any, str]]] = {}
+    for i, digest in digests.items():
+        data = items[i].tensor_data
+        if data is None or tuple(data.chunk.sizes) == tuple(data.size):
             continue
-        chunks = []
-        for c in md.chunks:
-            w = by_index.get((fqn, tuple(c.offsets)))
-            if not isinstance(w, Written):
-                raise FormatError(
-                    f"{where}: tensor {fqn!r} chunk {tuple(c.offsets)} was not written"
-                )
-            chunks.append([list(c.offsets), list(c.sizes), w.digest])
-        tensors[fqn] = {
-            "dtype": NAMES[md.properties.dtype],
-            "shape": list(md.size),
-            "chunks": chunks,
-        }
-    return tensors, values
+        entry = (tuple(data.chunk.offsets), tuple(data.chunk.sizes), digest)
+        partial.setdefault(items[i].index.fqn, []).append(entry)
+    return encode_table(partial) if partial else None
