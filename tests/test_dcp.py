@@ -3,7 +3,7 @@
 The multi-rank cases spawn ranks (``tests/_dcp_workers.py``) running a tiny GPT-2 whose
 head is tied to its embedding, with a frozen block and AdamW state, sharded by FSDP2's
 ``fully_shard``. Each spawn costs seconds (importing torch per rank), so one module-level
-save feeds the load cases.
+save feeds the load cases; resharding 4 -> 3 -> 4 is in ``tests/test_dcp_ranks.py``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,13 @@ def test_nothing_in_the_vault_is_pickled(saved: dict[str, Any]) -> None:
             json.loads((root / f).read_text())  # records are JSON, never pickle
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+SLOW = pytest.mark.skipif(
+    not os.environ.get("WEIGHTVAULT_SLOW"),
+    reason="slow; resharding onto 3 ranks runs in tests/test_dcp_ranks.py (WEIGHTVAULT_SLOW=1)",
+)
+
+
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=SLOW)])
 def test_loads_bitwise_on_any_number_of_ranks(saved: dict[str, Any], world: int) -> None:
     """Saved on 2 ranks; loaded on 1, 2 and 3: model and AdamW state equal bit for bit."""
     stats = str(saved["dir"] / f"reads-{world}.json")
@@ -100,17 +106,6 @@ def test_loads_bitwise_on_any_number_of_ranks(saved: dict[str, Any], world: int)
     else:
         # Each rank reads its shards (and the replicated scalars), not the whole state.
         assert all(r < 0.75 * record.stored_bytes for r in reads), (reads, record)
-
-
-def test_saved_on_four_ranks_loads_on_two(tmp_path: Path) -> None:
-    """FSDP2 on 4 ranks (every parameter in 4 chunks), resharded onto 2 ranks."""
-    root, oracle = str(tmp_path / "vault"), str(tmp_path / "oracle")
-    W.run_ranks(W.save_fsdp, 4, root, oracle, "s4")
-    doc = json.loads((tmp_path / "vault" / "checkpoints" / "s4.json").read_text())
-    assert doc["dcp"]["tensors"]["model.transformer.wte.weight"]["grid"] == [W.VOCAB // 4, W.EMBD]
-    sizes = json.loads(Path(oracle + ".sizes.json").read_text())
-    assert sizes["vault_objects"] <= 1.02 * sizes["unique"], sizes
-    W.run_ranks(W.load_fsdp, 2, root, oracle, "s4", str(tmp_path / "reads.json"))
 
 
 def test_one_plain_process_loads_and_exports(saved: dict[str, Any], tmp_path: Path) -> None:

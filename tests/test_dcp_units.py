@@ -185,3 +185,123 @@ def test_a_load_holds_no_copy_beyond_the_destination(tmp_path: Path, remote: boo
                          capture_output=True, text=True)  # fmt: skip
     peak = float(out.stdout.strip().splitlines()[-1])
     assert peak <= (33 if remote else 2), peak  # MiB beyond what the process held
+
+
+# -- plan caching ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def planned(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The cache key of every global plan actually built (not taken from a cache)."""
+    from weightvault._dcp.planner import VaultSavePlanner
+
+    keys: list[str | None] = []
+    real = VaultSavePlanner._global_plan
+
+    def spy(self: Any, plans: Any) -> Any:
+        keys.append(self.cache_key)
+        return real(self, plans)
+
+    monkeypatch.setattr(VaultSavePlanner, "_global_plan", spy)
+    return keys
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))  # fmt: skip
+
+
+def test_two_checkpointers_in_one_process_keep_their_own_plan_cache(
+    tmp_path: Path, planned: list[str | None]
+) -> None:
+    """A model and another model saved in turn: each second save reuses its own plan.
+    DCP keys its cache by class name, so its two planners would share one."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import weightvault.dcp as wdcp
+
+    assert (DefaultSavePlanner(enable_plan_caching=True)._cached_plans_key
+            == DefaultSavePlanner(enable_plan_caching=True)._cached_plans_key)  # fmt: skip
+    mine = [wdcp.VaultSavePlanner(enable_plan_caching=True) for _ in range(2)]
+    assert mine[0].cache_key != mine[1].cache_key
+    a, b = _tiny(1), torch.nn.Sequential(torch.nn.Linear(3, 5))
+    for step in range(2):
+        wdcp.save(a, tmp_path / "a", f"s{step}")
+        wdcp.save(b, tmp_path / "b", f"s{step}")
+    assert len(planned) == 2 and planned[0] != planned[1]  # planned once per checkpointer
+    for model, root in ((a, "a"), (b, "b")):
+        fresh = _tiny(9) if model is a else torch.nn.Sequential(torch.nn.Linear(3, 5))
+        wdcp.load(fresh, tmp_path / root, "s1")
+        assert _equal(fresh, model)
+    doc = json.loads((tmp_path / "a" / "checkpoints" / "s1.json").read_text())
+    assert doc["dcp"]["ties"] == {"model.1.weight": "model.0.weight"}  # kept from the cache
+
+
+def test_a_plan_that_changes_only_in_its_ties_is_planned_again(
+    tmp_path: Path, planned: list[str | None]
+) -> None:
+    """Untying the head changes no write item, only the planner data that carries ties;
+    DCP's comparison would reuse the cached plan and record a tie that no longer holds."""
+    import weightvault.dcp as wdcp
+
+    model = _tiny(1)
+    wdcp.save(model, tmp_path, "tied")
+    model[1].weight = torch.nn.Parameter(model[0].weight.detach() + 1)
+    wdcp.save(model, tmp_path, "untied")
+    assert len(planned) == 2
+    doc = json.loads((tmp_path / "checkpoints" / "untied.json").read_text())
+    assert doc["dcp"]["ties"] == {}
+    fresh = _tiny(5)
+    fresh[1].weight = torch.nn.Parameter(torch.zeros_like(fresh[1].weight))
+    wdcp.load(fresh, tmp_path, "untied")
+    assert _equal(fresh, model)
+
+
+def _tiny(seed: int) -> Any:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Linear(4, 6, bias=False))
+    model[1].weight = model[0].weight
+    return model
+
+
+# -- async_save within a host memory budget -------------------------------------------------
+
+_STAGING = """
+import re, sys, torch
+import weightvault.dcp as wdcp
+from weightvault import Vault
+def kib(f):
+    return int(re.search(f + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+def build():
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 4096, bias=False) for _ in range(8)])
+torch.manual_seed(0)
+model = build()                                        # 8 x 16 MiB = 128 MiB
+wdcp.save(model, sys.argv[1], "warm")                  # one-time costs of a first save
+for budget in (32 << 20, None):
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    open("/proc/self/clear_refs", "w").write("5")
+    before = kib("VmRSS")
+    pending = wdcp.async_save(model, sys.argv[1], staging_bytes=budget)
+    for p in model.parameters():
+        p.data.add_(1)                                 # training goes on
+    rec = pending.result()
+    print((kib("VmHWM") - before) / 1024, flush=True)
+    fresh = build()
+    Vault(sys.argv[1]).load(fresh, rec.name)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items()), rec.name
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux peak RSS")
+def test_async_save_holds_at_most_its_staging_budget(tmp_path: Path) -> None:
+    """A 128 MiB state saved with staging_bytes=32 MiB holds at most 32 MiB + 10% more
+    while the call returns and the save finishes; without a budget it holds a copy of
+    the whole state, as DCP's own stager does. Parameters changed right after the call
+    returns are not in the checkpoint."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _STAGING, str(tmp_path)],
+                         env=env, check=True, capture_output=True, text=True)  # fmt: skip
+    bounded, whole = (float(x) for x in out.stdout.split())
+    assert bounded <= 32 * 1.1, bounded
+    assert whole >= 120, whole  # the whole state, staged at once

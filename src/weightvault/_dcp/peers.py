@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from .._base.dtypes import numel
 from .._base.errors import DistributedCheckpointError
+from .planner import storage_key
 from .ranged import host_bytes
 
 __all__ = ["Shares", "Stamp", "agree", "assign_reads", "exchange", "own_reads"]
@@ -42,10 +43,13 @@ class Shares:
         send: ``(item, receivers, tag)``: this rank reads item ``item`` (its position among
             the plan's tensor items) and sends it to ``receivers``.
         recv: ``(item, source, tag)``: this rank receives item ``item`` from ``source``.
+        copies: ``(item, from)``: item ``item`` is the same box as received item ``from``
+            (a tied tensor's second name): copied once that one arrives.
     """
 
     send: tuple[tuple[int, tuple[int, ...], int], ...] = ()
     recv: tuple[tuple[int, int, int], ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,21 +60,33 @@ class Stamp:
     shares: Shares | None = None
 
 
-def _key(item: ReadItem) -> tuple[Any, ...]:
+def _key(item: ReadItem, canonical: Callable[[str], str]) -> tuple[Any, ...]:
+    """What a read item reads: a box of a stored chunk (a tie's alias reads its canonical)."""
     index = item.storage_index
-    return (index.fqn, tuple(index.offset or ()), tuple(item.storage_offsets), tuple(item.lengths))
+    return (
+        canonical(index.fqn),
+        tuple(index.offset or ()),
+        tuple(item.storage_offsets),
+        tuple(item.lengths),
+    )
 
 
-def assign_reads(plans: Sequence[LoadPlan]) -> list[Shares]:
-    """Per rank, the boxes it reads for others and those it receives (coordinator)."""
-    holders: dict[tuple[Any, ...], dict[int, int]] = {}
+def assign_reads(plans: Sequence[LoadPlan], canonical: Callable[[str], str]) -> list[Shares]:
+    """Per rank, the boxes it reads for others and those it receives (coordinator).
+
+    Args:
+        plans: Every rank's load plan.
+        canonical: The stored tensor a name reads (itself, or a tie's canonical name).
+    """
+    holders: dict[tuple[Any, ...], dict[int, list[int]]] = {}
     for rank, plan in enumerate(plans):
         tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
         for pos, item in enumerate(tensors):
-            holders.setdefault(_key(item), {}).setdefault(rank, pos)
+            holders.setdefault(_key(item, canonical), {}).setdefault(rank, []).append(pos)
     load = [0] * len(plans)
     send: list[list[tuple[int, tuple[int, ...], int]]] = [[] for _ in plans]
     recv: list[list[tuple[int, int, int]]] = [[] for _ in plans]
+    copies: list[list[tuple[int, int]]] = [[] for _ in plans]
     shared = [(k, h) for k, h in holders.items() if len(h) > 1]
     # Largest first, each to the holder with the fewest bytes so far: balanced reads.
     shared.sort(key=lambda kh: -numel(kh[0][3]))
@@ -78,16 +94,22 @@ def assign_reads(plans: Sequence[LoadPlan]) -> list[Shares]:
         reader = min(held, key=lambda r: (load[r], r))
         load[reader] += numel(key[3])
         others = tuple(sorted(r for r in held if r != reader))
-        send[reader].append((held[reader], others, tag))
+        send[reader].append((held[reader][0], others, tag))
         for r in others:
-            recv[r].append((held[r], reader, tag))
-    return [Shares(tuple(s), tuple(r)) for s, r in zip(send, recv, strict=True)]
+            first, *rest = held[r]
+            recv[r].append((first, reader, tag))
+            copies[r] += [(pos, first) for pos in rest]
+    return [
+        Shares(tuple(s), tuple(r), tuple(c)) for s, r, c in zip(send, recv, copies, strict=True)
+    ]
 
 
 def own_reads(tensors: Sequence[ReadItem], shares: Shares | None) -> list[ReadItem]:
     """The tensor items this rank reads from the store itself."""
-    received = {pos for pos, _, _ in shares.recv} if shares is not None else set()
-    return [r for i, r in enumerate(tensors) if i not in received]
+    if shares is None:
+        return list(tensors)
+    elsewhere = {pos for pos, _, _ in shares.recv} | {pos for pos, _ in shares.copies}
+    return [r for i, r in enumerate(tensors) if i not in elsewhere]
 
 
 def agree(read: Callable[[], None], where: str) -> None:
@@ -164,8 +186,15 @@ def exchange(
         landing.append((req, dst, None if out is not None else buf, stored))
     for op in ops:
         op.wait()
-    for req, dst, staged, stored in landing:
+    arrived = {}
+    for (pos, _, _), (req, dst, staged, stored) in zip(shares.recv, landing, strict=True):
         if staged is not None and staged.numel():
             dst.copy_(staged.view(stored).reshape(dst.shape))
         planner.commit_tensor(req, dst)
+        arrived[pos] = dst
+    for pos, first in shares.copies:
+        dst = planner.resolve_tensor(tensors[pos]).detach()
+        if storage_key(dst) != storage_key(arrived[first]):  # a tie: often one memory
+            dst.copy_(arrived[first])
+        planner.commit_tensor(tensors[pos], dst)
     return sent, received

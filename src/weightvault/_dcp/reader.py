@@ -188,7 +188,8 @@ class VaultReader(StorageReader):
         agreed = all(p.storage_data == self.resolved for p in plans)
         shares: list[Shares | None] = [None] * len(plans)
         if agreed and self.share_reads and 1 < len(plans) == _world():
-            shares = list(assign_reads(plans))
+            ties = self.index.ties
+            shares = list(assign_reads(plans, lambda fqn: ties.get(fqn, fqn)))
         return [
             dataclasses.replace(p, storage_data=Stamp(str(self.resolved), s))
             for p, s in zip(plans, shares, strict=True)

@@ -39,6 +39,7 @@ class Written:
         intent: The rank's intent, to drop after the commit.
         table: The rank's chunk table (``None`` when it has no partial chunk).
         table_bytes: The table's size.
+        table_intent: The intent naming the table, when another than ``intent``.
     """
 
     digest: str
@@ -47,6 +48,7 @@ class Written:
     intent: str
     table: str | None = None
     table_bytes: int = 0
+    table_intent: str | None = None
 
 
 def _rank_tables(results: Sequence[Sequence[WriteResult]]) -> tuple[list[str | None], list[int]]:
@@ -116,7 +118,7 @@ def record_doc(
     for r in (r for rs in results for r in rs):
         w = r.storage_data
         if isinstance(w, Written):
-            intents.add(w.intent)
+            intents.update(i for i in (w.intent, w.table_intent) if i is not None)
             if w.digest not in written or w.new:
                 written[w.digest] = w  # one rank's "new" wins: it wrote the object
     ties = {a: c for a, c in dict(info.get("ties", {})).items() if c in chunked}

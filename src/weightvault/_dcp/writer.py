@@ -8,7 +8,9 @@ after every rank succeeded, and it commits one record, then drops every rank's i
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any, cast
@@ -28,9 +30,10 @@ from .._vault.records import CheckpointRecord, check_free, parse_record
 from .._vault.vault import VaultLike, as_vault
 from .planner import VaultSavePlanner
 from .record import Written, record_doc
-from .values import Value, to_record
+from .staging import wave_bytes
+from .values import to_record
 
-__all__ = ["VaultWriter", "Written"]
+__all__ = ["VaultWriter", "Written", "chunk_table"]
 
 
 class VaultWriter(StorageWriter):
@@ -47,8 +50,13 @@ class VaultWriter(StorageWriter):
         name: The checkpoint's name; ``None`` picks the next number. DCP's
             ``checkpoint_id`` overrides it.
         metadata: Your ``str -> str`` metadata for the record.
+        staging_bytes: Hold at most this many bytes of copies of the chunks (see
+            :mod:`weightvault._dcp.staging`): everything else is written before
+            :attr:`staged` is set, the rest from the copy after. ``None``: write straight
+            from the state.
 
     Attributes:
+        staged: Set once the state may change again (every byte still to write is a copy).
         record: After a save, on the coordinator: the committed :class:`CheckpointRecord`.
         written_bytes: Bytes this rank wrote (objects the vault lacked).
         reused_bytes: Bytes this rank's chunks did not need to write.
@@ -61,6 +69,7 @@ class VaultWriter(StorageWriter):
         name: str | None = None,
         *,
         metadata: Mapping[str, str] | None = None,
+        staging_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.vault = as_vault(vault)
@@ -70,8 +79,20 @@ class VaultWriter(StorageWriter):
         self.written_bytes = 0
         self.reused_bytes = 0
         self.chunks = 0
+        self.staging_bytes = staging_bytes
+        self.staged = threading.Event()
         self._info: dict[str, Any] = {}
+        self._done: set[str] = set()
+        self._table: tuple[str, int, str] | None = None
         check_free(self.vault.store, self.name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process checkpointer pickles writers; an event is this process's own.
+        return {k: v for k, v in self.__dict__.items() if k != "staged"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.staged = threading.Event()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -79,6 +100,8 @@ class VaultWriter(StorageWriter):
             check_free(self.vault.store, self.name)
         self.record = None
         self.written_bytes = self.reused_bytes = self.chunks = 0
+        self.staged = threading.Event()
+        self._done, self._table = set(), None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
@@ -98,30 +121,64 @@ class VaultWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.name, save_id=uuid.uuid4().hex)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if isinstance(planner, VaultSavePlanner):
-            self._info = planner.info()
-        values: dict[int, Value] = {}
-        chunks: dict[int, memoryview] = {}
-        for i, item in enumerate(plan.items):
-            if item.type == WriteItemType.BYTE_IO:
-                values[i] = to_record(planner, item, f"{self.vault.url}: {item.index.fqn}")
-            else:
-                chunks[i] = tensor_bytes(cast(torch.Tensor, planner.resolve_data(item)))
-        digests = {i: content_hash(raw) for i, raw in chunks.items()}
-        results = self._store(plan.items, chunks, digests)
-        results.update({i: WriteResult(plan.items[i].index, 0, v) for i, v in values.items()})
+        try:
+            results = self._write(plan, planner)
+        finally:
+            self.staged.set()  # a failed save stops holding the caller too
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([results[i] for i in range(len(plan.items))])
         return fut
 
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> dict[int, WriteResult]:
+        if isinstance(planner, VaultSavePlanner):
+            self._info = planner.info()
+        results: dict[int, WriteResult] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for i, item in enumerate(plan.items):
+            if item.type == WriteItemType.BYTE_IO:
+                value = to_record(planner, item, f"{self.vault.url}: {item.index.fqn}")
+                results[i] = WriteResult(item.index, 0, value)
+            else:
+                tensors[i] = cast(torch.Tensor, planner.resolve_data(item))
+        digests: dict[int, str] = {}
+        tensor_results: dict[int, WriteResult] = {}
+
+        def write(chunks: dict[int, memoryview], last: bool) -> None:
+            hashed = {i: content_hash(raw) for i, raw in chunks.items()}
+            digests.update(hashed)
+            table = chunk_table(plan.items, digests) if last else None
+            tensor_results.update(self._store(plan.items, chunks, hashed, table))
+
+        if self.staging_bytes is None:
+            write({i: tensor_bytes(t) for i, t in tensors.items()}, True)
+        else:
+            wave_bytes(tensors, self.staging_bytes, write, self.staged.set)
+        return {**results, **self._with_table(tensor_results)}
+
+    def _with_table(self, results: dict[int, WriteResult]) -> dict[int, WriteResult]:
+        """``results`` naming this rank's chunk table, and the intent that protects it."""
+        if self._table is None:
+            return results
+        digest, size, intent = self._table
+        out = {}
+        for i, r in results.items():
+            w = dataclasses.replace(r.storage_data, table=digest, table_bytes=size,
+                                    table_intent=intent)  # fmt: skip
+            out[i] = dataclasses.replace(r, storage_data=w)
+        return out
+
     def _store(
-        self, items: list[WriteItem], chunks: dict[int, memoryview], digests: dict[int, str]
+        self,
+        items: list[WriteItem],
+        chunks: dict[int, memoryview],
+        digests: dict[int, str],
+        table: bytes | None,
     ) -> dict[int, WriteResult]:
-        """Steps 1 to 3 of the commit protocol for this rank's chunks and chunk table."""
+        """Steps 1 to 3 of the commit protocol for some of this rank's chunks (and, in
+        the last wave, its chunk table)."""
         store = self.vault.store
-        table = _table(items, digests)
-        table_digest = content_hash(table) if table is not None else None
         objects: dict[str, Data] = {digests[i]: _data(raw) for i, raw in chunks.items()}
+        table_digest = content_hash(table) if table is not None else None
         if table is not None and table_digest is not None:
             objects[table_digest] = _data(table)
         intent = begin(store, objects, gc_wait=self.vault.gc_wait)
@@ -130,20 +187,22 @@ class VaultWriter(StorageWriter):
         except BaseException:
             release(store, [intent])
             raise
-        if not chunks:
+        if not objects:
             release(store, [intent])  # names nothing: finish has no object to keep
-        results, done = {}, set()
+        results = {}
         for i, raw in chunks.items():
             digest = digests[i]
-            fresh = digest in new and digest not in done
-            done.add(digest)
+            fresh = digest in new and digest not in self._done
+            self._done.add(digest)
             if fresh:
                 self.written_bytes += raw.nbytes
             else:
                 self.reused_bytes += raw.nbytes
             self.chunks += 1
-            written = Written(digest, raw.nbytes, fresh, intent, table_digest, len(table or b""))
+            written = Written(digest, raw.nbytes, fresh, intent)
             results[i] = WriteResult(items[i].index, raw.nbytes, written)
+        if table_digest is not None:
+            self._table = (table_digest, len(table or b""), intent)
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -162,7 +221,7 @@ def _data(raw: memoryview | bytes) -> Data:
     return (memoryview(raw).nbytes, lambda: raw)
 
 
-def _table(items: list[WriteItem], digests: dict[int, str]) -> bytes | None:
+def chunk_table(items: list[WriteItem], digests: dict[int, str]) -> bytes | None:
     """This rank's chunk table: its chunks that are part of a tensor, not all of it.
 
     Whole-tensor chunks (a rank's own tensor, replicated scalars) are inline in the
