@@ -95,6 +95,21 @@ def _index(
     return entries, chunked, values
 
 
+def _written(
+    results: Sequence[Sequence[WriteResult]],
+) -> tuple[dict[str, Written], set[str]]:
+    """Each object once (as the rank that wrote it reported it), and every rank's intents."""
+    written: dict[str, Written] = {}
+    intents: set[str] = set()
+    for r in (r for rs in results for r in rs):
+        w = r.storage_data
+        if isinstance(w, Written):
+            intents.update(i for i in (w.intent, w.table_intent) if i is not None)
+            if w.digest not in written or w.new:
+                written[w.digest] = w  # one rank's "new" wins: it wrote the object
+    return written, intents
+
+
 def record_doc(
     metadata: Metadata,
     results: Sequence[Sequence[WriteResult]],
@@ -113,14 +128,7 @@ def record_doc(
         where: The vault, for messages.
     """
     entries, chunked, values = _index(metadata, results, where)
-    written: dict[str, Written] = {}
-    intents: set[str] = set()
-    for r in (r for rs in results for r in rs):
-        w = r.storage_data
-        if isinstance(w, Written):
-            intents.update(i for i in (w.intent, w.table_intent) if i is not None)
-            if w.digest not in written or w.new:
-                written[w.digest] = w  # one rank's "new" wins: it wrote the object
+    written, intents = _written(results)
     ties = {a: c for a, c in dict(info.get("ties", {})).items() if c in chunked}
     names = info.get("names") or [*chunked, *ties]
     prefix = str(info.get("model_prefix", ""))
