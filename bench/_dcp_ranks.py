@@ -91,14 +91,18 @@ def _kib(field: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS, so the next peak read is what came after
+    except OSError:
+        pass
+
+
 def _timed(op: Callable[[], Any]) -> tuple[float, float]:
     """Seconds of ``op`` on the slowest rank, and this rank's peak extra memory in MiB."""
     dist.barrier()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS, so the peak below is this op's
-    except OSError:
-        pass
+    _reset_peak()
     before = _kib("VmRSS")
     t0 = time.perf_counter()
     op()
@@ -180,6 +184,76 @@ def save_load(rank: int, world: int, kind: str, mib: int, repeat: int, out: str)
                 k: round(max(p[k] for p in all_peaks), 1) for k in ("fs_load", "wv_load")
             },
             "largest_chunk_mib": round(largest / MiB, 1),
+        }
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def _async_ops(model: Any, opt: Any, base: str, mib: int) -> dict[str, Callable[[int], Any]]:
+    """Each asynchronous save: its call returns a future."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import weightvault.dcp as wdcp
+
+    def state() -> dict[str, Any]:
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optim": osd}
+
+    def at(kind: str, i: int) -> str:
+        return os.path.join(base, f"{kind}{i}")
+
+    budget = (mib << 20) // 4
+    return {
+        "fs_dcp_async_save": lambda i: dcp.async_save(
+            state(), storage_writer=dcp.FileSystemWriter(at("fs", i))
+        ),
+        "vault_dcp_async_save": lambda i: dcp.async_save(
+            state(),
+            storage_writer=wdcp.VaultWriter(at("dv", i), "c"),
+            planner=wdcp.VaultSavePlanner(model_prefix="model."),
+        ),
+        "wdcp_async_save": lambda i: wdcp.async_save(model, at("wv", i), "c", optimizer=opt),
+        "wdcp_async_save_quarter_budget": lambda i: wdcp.async_save(
+            model, at("wq", i), "c", optimizer=opt, staging_bytes=budget
+        ),
+    }
+
+
+def async_saves(rank: int, world: int, mib: int, repeat: int, out: str) -> None:
+    """Blocking time, time until committed and peak extra memory of each async save."""
+    model, opt = sharded_state(mib, world, "ddp")
+    base = os.path.join(os.path.dirname(out), "runs")
+    ops = _async_ops(model, opt, base, mib)
+    block: dict[str, list[float]] = {k: [] for k in ops}
+    total: dict[str, list[float]] = {k: [] for k in ops}
+    peak: dict[str, float] = {k: 0.0 for k in ops}
+    for i in range(repeat + 1):  # round 0 warms up
+        for name, op in ops.items():
+            dist.barrier()
+            _reset_peak()
+            before = _kib("VmRSS")
+            t0 = time.perf_counter()
+            pending = op(i)
+            t_block = time.perf_counter() - t0
+            pending.result()
+            t_total = time.perf_counter() - t0
+            if i:
+                block[name].append(t_block)
+                total[name].append(t_total)
+                peak[name] = max(peak[name], (_kib("VmHWM") - before) / 1024)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+        dist.barrier()
+    if rank == 0:
+        result = {
+            "ranks": world,
+            "state_mib": mib,
+            "repeats": repeat,
+            "blocks_s": {k: round(min(v), 3) for k, v in block.items()},
+            "until_committed_s": {k: round(min(v), 3) for k, v in total.items()},
+            "peak_extra_mib": {k: round(v, 1) for k, v in peak.items()},
         }
         with open(out, "w") as f:
             json.dump(result, f)
