@@ -9,11 +9,9 @@ save feeds the load cases; resharding 4 -> 3 -> 4 is in ``tests/test_dcp_ranks.p
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 import _dcp_workers as W  # noqa: E402
 import weightvault  # noqa: E402
 import weightvault.dcp as wdcp  # noqa: E402
+from _dcp_s3 import moto_s3  # noqa: E402
 from weightvault import CheckpointExistsError, Vault  # noqa: E402
 
 
@@ -400,32 +399,8 @@ def test_dcp_takes_a_path_and_reads_no_vault_where_there_is_none(tmp_path: Path)
 def s3_root(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    s3fs = pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": str(tmp_path / "none"),
-        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-    }.items():
-        monkeypatch.setenv(k, v)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {
-        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
-        "key": "testing",
-        "secret": "testing",
-    }
-    bucket = f"dcp-{uuid.uuid4().hex[:10]}"
-    s3fs.S3FileSystem(**options).mkdir(bucket)
-    try:
-        yield f"s3://{bucket}/run", options
-    finally:
-        server.stop()
+    with moto_s3(monkeypatch, tmp_path) as got:
+        yield got
 
 
 def test_s3_vault_roundtrip_with_ranged_reads(s3_root: tuple[str, dict[str, Any]]) -> None:

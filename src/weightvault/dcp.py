@@ -2,9 +2,12 @@
 
 DCP plans and reshards; weightvault stores. Every rank writes the chunks it holds as
 content-addressed vault objects, so a chunk that did not change since the last checkpoint
-(a frozen backbone) is not written again. When every rank's objects are durable, rank 0
-commits one JSON record: the checkpoint exists from that moment, or not at all. Nothing is
-pickled, neither the metadata nor the non-tensor values (they are stored as JSON).
+(a frozen backbone) is not written again, and lists them in a chunk table of its own.
+When every rank's objects are durable, rank 0 commits one small JSON index naming the
+tables: the checkpoint exists from that moment, or not at all. Nothing is pickled,
+neither the metadata nor the non-tensor values (they are stored as JSON). A load reads
+the index and only the tables and byte ranges its shards need, straight into the
+destination tensors, and a box several ranks need (replicas) is read by one of them.
 
 Two levels::
 
@@ -13,6 +16,7 @@ Two levels::
     # collective: every rank calls it
     wdcp.save(model, "runs/ft", optimizer=opt)           # FSDP2, DDP, TP, plain
     wdcp.load(model, "runs/ft", optimizer=opt)           # on any number of ranks
+    wdcp.async_save(model, "runs/ft", optimizer=opt, staging_bytes=2 << 30)
 
     # or DCP's own calls, with the vault as storage
     dcp_save(state, storage_writer=wdcp.VaultWriter("runs/ft", "step-100"),
@@ -287,7 +291,8 @@ def load(
             (parameters it does not hold keep theirs); ``False`` puts the model's back.
 
     Returns:
-        This rank's :class:`ReadStats`.
+        This rank's :class:`ReadStats`: bytes read from the store, bytes received from
+        the other ranks (a box several ranks need is read once), record bytes read.
 
     Raises:
         DistributedCheckpointError: A rank failed to read.
