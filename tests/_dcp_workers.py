@@ -201,7 +201,9 @@ def save_fsdp(rank: int, world: int, root: str, oracle: str, name: str) -> None:
     train_step(model, opt, 1)
     rec = wdcp.save(model, root, name, optimizer=opt, metadata={"step": "1"})
     assert rec.name == name
-    objects = _dir_bytes(os.path.join(root, "objects"))
+    with open(os.path.join(root, "checkpoints", f"{name}.json")) as f:
+        tables = sum(json.load(f)["dcp"]["table_sizes"])  # the chunk index, not tensor bytes
+    objects = _dir_bytes(os.path.join(root, "objects")) - tables
     msd, osd = get_state_dict(model, opt)
     fs_dir = oracle + ".distcp"
     dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(fs_dir))

@@ -147,6 +147,7 @@ def test_dcp_module_is_pinned():
         "VaultReader",
         "VaultSavePlanner",
         "VaultWriter",
+        "async_save",
         "load",
         "save",
     ]

@@ -2,9 +2,12 @@
 
 DCP plans and reshards; weightvault stores. Every rank writes the chunks it holds as
 content-addressed vault objects, so a chunk that did not change since the last checkpoint
-(a frozen backbone) is not written again. When every rank's objects are durable, rank 0
-commits one JSON record: the checkpoint exists from that moment, or not at all. Nothing is
-pickled, neither the metadata nor the non-tensor values (they are stored as JSON).
+(a frozen backbone) is not written again, and lists them in a chunk table of its own.
+When every rank's objects are durable, rank 0 commits one small JSON index naming the
+tables: the checkpoint exists from that moment, or not at all. Nothing is pickled,
+neither the metadata nor the non-tensor values (they are stored as JSON). A load reads
+the index and only the tables and byte ranges its shards need, straight into the
+destination tensors, and a box several ranks need (replicas) is read by one of them.
 
 Two levels::
 
@@ -13,6 +16,7 @@ Two levels::
     # collective: every rank calls it
     wdcp.save(model, "runs/ft", optimizer=opt)           # FSDP2, DDP, TP, plain
     wdcp.load(model, "runs/ft", optimizer=opt)           # on any number of ranks
+    wdcp.async_save(model, "runs/ft", optimizer=opt, staging_bytes=2 << 30)
 
     # or DCP's own calls, with the vault as storage
     dcp_save(state, storage_writer=wdcp.VaultWriter("runs/ft", "step-100"),
@@ -28,14 +32,15 @@ torch.distributed loads it with :meth:`weightvault.Vault.load` and exports it wi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -46,6 +51,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ._base.errors import DistributedCheckpointError, UnstorableValueError, capped
+from ._dcp.background import async_group, start
+from ._dcp.index import VaultLoadPlanner
 from ._dcp.planner import VaultSavePlanner
 from ._dcp.reader import ReadStats, VaultReader
 from ._dcp.resume import apply_flags, fqn, install_state, optimizer_template
@@ -59,6 +66,7 @@ __all__ = [
     "VaultReader",
     "VaultSavePlanner",
     "VaultWriter",
+    "async_save",
     "load",
     "save",
 ]
@@ -79,11 +87,11 @@ def _frozen(model: nn.Module, keys: set[str]) -> list[str]:
     return out
 
 
-def _broadcast(value: Any) -> Any:
+def _broadcast(value: Any, group: Any = None) -> Any:
     if _no_dist():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -99,10 +107,22 @@ def _collective(what: str, run: Callable[[], Any]) -> None:
     """Run DCP's ``save`` or ``load``; a rank's failure becomes an ``Exception``.
 
     DCP raises ``CheckpointException``, a ``BaseException``, which ``except Exception``
-    (training loops, retry wrappers) would let through.
+    (training loops, retry wrappers) would let through; and a rank that dies makes the
+    others' collectives raise a bare ``RuntimeError``. Both become
+    :class:`~weightvault.DistributedCheckpointError`.
     """
     try:
         run()
+    except DistributedCheckpointError:
+        raise
+    except RuntimeError as e:
+        # DCP turns a rank's own error into CheckpointException; what else escapes is its
+        # collectives failing (gloo's "Connection reset by peer" when a rank died).
+        raise DistributedCheckpointError(
+            f"{what} failed: the process group broke (a rank died, or its connection did: "
+            f"{str(e).splitlines()[0][:300]}); a checkpoint is committed whole or not at "
+            "all, so the vault is intact: restart the job and load again"
+        ) from e
     except CheckpointException as e:
         failures = {r: f[0] if isinstance(f, tuple) else f for r, f in e.failures.items()}
         shown = capped(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(failures.items()))
@@ -111,6 +131,34 @@ def _collective(what: str, run: Callable[[], Any]) -> None:
             "(the full tracebacks are in this error's __cause__) and call it again",
             failures,
         ) from e
+
+
+def _save_setup(
+    model: nn.Module, v: Vault, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, Any], VaultSavePlanner]:
+    """The state DCP saves, and the planner: ties, frozen names, and one plan cache per
+    checkpointer (this vault, this model and optimizer), so a save whose local plans did
+    not change reuses the coordinator's last global plan."""
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state: dict[str, Any] = {MODEL: msd}
+    if optimizer is not None:
+        state[OPTIM] = osd
+    planner = VaultSavePlanner(
+        [f"{MODEL}.{n}" for n in _frozen(model, set(msd))],
+        [f"{MODEL}.{n}" for n in msd],
+        model_prefix=f"{MODEL}.",
+        enable_plan_caching=True,
+        cache_key=f"wdcp.save|{v.url}|{id(model)}|{id(optimizer)}",
+    )
+    return state, planner
+
+
+def _committed(v: Vault, writer: VaultWriter, group: Any = None) -> CheckpointRecord:
+    """The record the coordinator committed, on every rank."""
+    committed = _broadcast(writer.record.name if writer.record is not None else None, group)
+    if writer.record is not None:
+        return writer.record
+    return parse_record(committed, read_doc(v.store, committed), committed)
 
 
 def save(
@@ -127,7 +175,8 @@ def save(
     Names and optimizer state are mapped by DCP's ``get_state_dict``, so the checkpoint
     loads into any parallelism. Tied tensors are stored once, frozen tensors keep their
     flag (and any optimizer state they had), and chunks already in the vault are not
-    written again.
+    written again. A save whose local plans equal the last save's (same model, same
+    vault) reuses the coordinator's global plan.
 
     Args:
         model: The model (FSDP2 ``fully_shard``, DDP, tensor parallel or plain).
@@ -151,21 +200,68 @@ def save(
         ...     log.warning("checkpoint skipped: %s", e)
     """
     v = as_vault(vault)
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {MODEL: msd}
-    if optimizer is not None:
-        state[OPTIM] = osd
-    frozen = [f"{MODEL}.{n}" for n in _frozen(model, set(msd))]
-    planner = VaultSavePlanner(frozen, [f"{MODEL}.{n}" for n in msd], model_prefix=f"{MODEL}.")
+    state, planner = _save_setup(model, v, optimizer)
     writer = VaultWriter(v, name, metadata=metadata)
     _collective(
         f"{v.url}: saving checkpoint {name or '(next)'}",
         lambda: dcp_save(state, storage_writer=writer, planner=planner, no_dist=_no_dist()),
     )
-    committed = _broadcast(writer.record.name if writer.record is not None else None)
-    if writer.record is not None:
-        return writer.record
-    return parse_record(committed, read_doc(v.store, committed), committed)
+    return _committed(v, writer)
+
+
+def async_save(
+    model: nn.Module,
+    vault: VaultLike,
+    name: str | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    metadata: Mapping[str, str] | None = None,
+    staging_bytes: int | None = None,
+) -> Future[CheckpointRecord]:
+    """Start :func:`save`; return once the state may change again, and finish behind.
+
+    Collective, like :func:`save`. Each rank copies what it will write after returning
+    into host memory; with ``staging_bytes=N`` it holds at most ``N`` bytes of copies:
+    the chunks beyond that are written before this call returns (so the call blocks
+    longer, and host memory stays bounded). The rest of the save, its collectives
+    included, runs on a background thread over a gloo group of its own.
+
+    Args:
+        model: The model, as for :func:`save`.
+        vault: A :class:`~weightvault.Vault`, or its root or URL.
+        name: The checkpoint's name; by default the next number.
+        optimizer: Its optimizer, saved alongside.
+        metadata: Your ``str -> str`` metadata.
+        staging_bytes: Host bytes this rank may hold for copies (``None``: the whole
+            state, as DCP's own stager copies it).
+
+    Returns:
+        A future of the committed record; ``result()`` raises
+        :class:`~weightvault.DistributedCheckpointError` if a rank failed.
+
+    Example:
+        >>> pending = wdcp.async_save(model, "runs/ft", optimizer=opt, staging_bytes=2 << 30)
+        >>> train_step()                                 # the checkpoint is unaffected
+        >>> pending.result().name
+        '000008'
+    """
+    v = as_vault(vault)
+    state, planner = _save_setup(model, v, optimizer)
+    budget = sys.maxsize if staging_bytes is None else max(int(staging_bytes), 0)
+    writer = VaultWriter(v, name, metadata=metadata, staging_bytes=budget)
+    group = async_group()
+
+    def run() -> CheckpointRecord:
+        _collective(
+            f"{v.url}: saving checkpoint {name or '(next)'} in the background",
+            lambda: dcp_save(
+                state, storage_writer=writer, planner=planner, process_group=group,
+                no_dist=group is None,
+            ),
+        )  # fmt: skip
+        return _committed(v, writer, group)
+
+    return start(run, writer.staged)
 
 
 def load(
@@ -195,7 +291,8 @@ def load(
             (parameters it does not hold keep theirs); ``False`` puts the model's back.
 
     Returns:
-        This rank's :class:`ReadStats`.
+        This rank's :class:`ReadStats`: bytes read from the store, bytes received from
+        the other ranks (a box several ranks need is read once), record bytes read.
 
     Raises:
         DistributedCheckpointError: A rank failed to read.
@@ -218,7 +315,7 @@ def load(
     if optimizer is not None:
         added = optimizer_template(model, osd, metadata, f"{OPTIM}.", fresh=fresh)
         state[OPTIM] = osd
-    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    planner = VaultLoadPlanner(allow_partial_load=not strict)
     _collective(
         f"{v.url}: loading checkpoint {reader.resolved}",
         lambda: dcp_load(state, storage_reader=reader, planner=planner, no_dist=_no_dist()),

@@ -1,41 +1,40 @@
 """A DCP ``StorageReader`` over a vault checkpoint that :class:`VaultWriter` committed.
 
 DCP reshards: each rank asks for the boxes its shards overlap, and the reader fetches
-just those byte ranges of each chunk object (``pread`` locally, ranged GETs on object
-stores), wherever the object is, a running gc's trash included.
+just those byte ranges of each chunk object (``preadv`` into the destination locally,
+ranged GETs on object stores), wherever the object is, a running gc's trash included.
+It reads the record's index, then only the chunk tables holding chunks it needs; and a
+box that several ranks need (replicas) is read by one of them and sent to the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._base.dtypes import ITEMSIZE, numel
+from .._base.dtypes import ITEMSIZE
 from .._base.errors import DistributedCheckpointError, FormatError
 from .._torch.tensors import DTYPES
-from .._vault.dcp_record import KIND, Chunk, ChunkedTensor, parse_tensors
-from .._vault.objects import content_hash, read_range
+from .._vault.dcp_layout import Chunk, parse_layout
+from .._vault.dcp_record import KIND
 from .._vault.records import read_doc, record_key
 from .._vault.vault import VaultLike, as_vault
+from .index import ChunkIndex
+from .peers import Shares, Stamp, agree, assign_reads, exchange, own_reads
 from .planner import storage_key
-from .values import Value, as_blob, from_record
+from .ranged import read_box
+from .values import as_blob
 
 __all__ = ["ReadStats", "VaultReader"]
 
@@ -45,61 +44,35 @@ class ReadStats:
     """What one rank read in a :class:`VaultReader` load.
 
     Attributes:
-        bytes_read: Bytes fetched from objects (only the ranges this rank needs).
+        bytes_read: Bytes of chunk objects read from the store (only the ranges this rank
+            needs).
         requests: Object reads issued.
         skipped_bytes: Bytes not read because the destination was already filled from
             the same chunk (a tied tensor loaded through two names).
+        record_bytes: Bytes of the record and of the chunk tables this rank read.
+        bytes_received: Bytes received from other ranks instead of read (replicas).
+        bytes_sent: Bytes this rank read once and sent to the other ranks holding them.
+        per_object: Bytes read per object.
     """
 
     bytes_read: int = 0
     requests: int = 0
     skipped_bytes: int = 0
+    record_bytes: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
     per_object: dict[str, int] = field(default_factory=dict)
-
-
-def _tensor_metadata(
-    fqn: str, t: ChunkedTensor, where: str
-) -> tuple[TensorStorageMetadata, dict[MetadataIndex, Any]]:
-    """DCP's metadata of one chunked tensor, and where each of its chunks is stored."""
-    if t.dtype not in DTYPES:
-        raise FormatError(f"{where}: tensor {fqn!r} has dtype {t.dtype}, unknown to torch")
-    md = TensorStorageMetadata(
-        TensorProperties(dtype=DTYPES[t.dtype]),
-        torch.Size(t.shape),
-        [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
-    )
-    storage = {MetadataIndex(fqn, torch.Size(c.offsets)): (t.dtype, c) for c in t.chunks}
-    return md, storage
-
-
-def _metadata(section: dict[str, Any], where: str) -> Metadata:
-    """DCP's metadata of a record's ``dcp`` section: tensors, ties as aliases, values."""
-    tensors = parse_tensors(section.get("tensors", {}), where)
-    ties = {str(a): str(c) for a, c in dict(section.get("ties", {})).items()}
-    sdm: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
-    for fqn, t in tensors.items():
-        sdm[fqn], chunks = _tensor_metadata(fqn, t, where)
-        storage.update(chunks)
-    for alias, canon in ties.items():
-        if canon not in tensors:
-            raise FormatError(f"{where}: tie {alias!r} -> {canon!r} names no stored tensor")
-        sdm[alias], chunks = _tensor_metadata(alias, tensors[canon], where)
-        storage.update(chunks)
-    for fqn, value in dict(section.get("values", {})).items():
-        sdm[fqn] = BytesStorageMetadata()
-        storage[MetadataIndex(fqn)] = from_record(value, f"{where}: value {fqn!r}")
-    mappings = {k: tuple(v) for k, v in dict(section.get("mappings", {})).items()}
-    return Metadata(state_dict_metadata=sdm, planner_data=mappings, storage_data=storage)
 
 
 class VaultReader(StorageReader):
     """A DCP ``StorageReader`` over a vault checkpoint written by :class:`VaultWriter`.
 
     DCP reshards: each rank asks for the boxes its shards overlap, and the reader fetches
-    just those byte ranges of each chunk object (``pread`` locally, ranged GETs on
-    object stores). A tied tensor is listed under each of its names, all reading one
-    stored chunk; when the destinations are one memory, it is read once.
+    just those byte ranges of each chunk object, into the destination tensor where it is
+    one contiguous run of CPU memory. A tied tensor is listed under each of its names,
+    all reading one stored chunk; when the destinations are one memory, it is read once.
+    A box that several ranks load (DDP and HSDP replicas) is read from the store by one
+    of them and sent to the others over the process group (``share_reads``).
 
     Every load resolves ``name`` anew (a reused reader of ``"latest"`` reads the newest
     checkpoint each time), and all ranks read the checkpoint the coordinator resolved: DCP
@@ -112,6 +85,9 @@ class VaultReader(StorageReader):
     Args:
         vault: A :class:`~weightvault.Vault`, or its root or URL.
         name: The checkpoint to read (``"latest"`` by default).
+        share_reads: Read a box several ranks need once, and send it to the others. The
+            load must run on the default process group (DCP's default); on a
+            subgroup of another size every rank reads its own.
 
     Attributes:
         name: The checkpoint asked for (``"latest"`` stays ``"latest"``).
@@ -122,20 +98,25 @@ class VaultReader(StorageReader):
     Example:
         >>> reader = VaultReader("runs/ft")          # "latest", resolved at each load
         >>> dcp.load(state, storage_reader=reader)
-        >>> reader.resolved
-        '000007'
+        >>> reader.resolved, reader.stats.bytes_received
+        ('000007', 0)
     """
 
-    def __init__(self, vault: VaultLike, name: str = "latest") -> None:
+    def __init__(self, vault: VaultLike, name: str = "latest", *, share_reads: bool = True) -> None:
         super().__init__()
         self.vault = as_vault(vault)
         self.name = name
+        self.share_reads = share_reads
         self.resolved: str | None = None
         self.stats = ReadStats()
         self.frozen: list[str] = []
-        self._storage: dict[MetadataIndex, Any] = {}
+        self._index: ChunkIndex | None = None
         self._ahead: Metadata | None = None
         self._coordinator = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process checkpointer pickles readers: the index is rebuilt from the record.
+        return {**self.__dict__, "_index": None, "_ahead": None}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -161,7 +142,8 @@ class VaultReader(StorageReader):
         return self._open(self.resolved)
 
     def _open(self, name: str) -> Metadata:
-        """DCP's metadata of checkpoint ``name``; keeps its frozen names and chunk table."""
+        """DCP's metadata of checkpoint ``name``, its chunk lists filled later (see
+        :class:`~weightvault._dcp.index.ChunkIndex`); keeps its frozen names and index."""
         doc = read_doc(self.vault.store, name)
         where = f"{self.vault.url}/{record_key(name)}"
         section = doc.get("dcp")
@@ -170,29 +152,54 @@ class VaultReader(StorageReader):
                 f"{where}: checkpoint {name!r} was not written through DCP; load it with "
                 "Vault.load(model, name) instead"
             )
-        metadata = _metadata(section, where)
+        # The record as committed (compact JSON): what this rank read of it.
+        self.stats.record_bytes += len(json.dumps(doc, separators=(",", ":")))
+        ties = {str(a): str(c) for a, c in dict(section.get("ties", {})).items()}
+        self._index = ChunkIndex(self.vault.store, parse_layout(section, where), ties, where)
         self.frozen = [str(f) for f in section.get("frozen", [])]
-        self._storage = cast(dict[MetadataIndex, Any], metadata.storage_data)
-        return metadata
+        values, mappings = dict(section.get("values", {})), dict(section.get("mappings", {}))
+        return self._index.metadata(values, mappings)
+
+    @property
+    def index(self) -> ChunkIndex:
+        if self._index is None:
+            raise DistributedCheckpointError(
+                f"{self.vault.url}: the reader has no checkpoint open; DCP calls "
+                "read_metadata before reading (pass it to dcp.load as storage_reader)"
+            )
+        return self._index
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        self._storage = cast(dict[MetadataIndex, Any], metadata.storage_data)
+        if isinstance(metadata.storage_data, ChunkIndex):
+            self._index = metadata.storage_data
+            if not self._index.narrowed:
+                self._index.fill(metadata, None)  # another planner: list every chunk
         self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # What this rank resolved travels to the coordinator with its plan.
+        return dataclasses.replace(plan, storage_data=self.resolved)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         # DCP scatters these plans: the one message every rank receives from the
         # coordinator after each resolved its checkpoint on its own.
-        return [dataclasses.replace(p, storage_data=self.resolved) for p in plans]
+        agreed = all(p.storage_data == self.resolved for p in plans)
+        shares: list[Shares | None] = [None] * len(plans)
+        if agreed and self.share_reads and 1 < len(plans) == _world():
+            ties = self.index.ties
+            shares = list(assign_reads(plans, lambda fqn: ties.get(fqn, fqn)))
+        return [
+            dataclasses.replace(p, storage_data=Stamp(str(self.resolved), s))
+            for p, s in zip(plans, shares, strict=True)
+        ]
 
     def _agree(self, plan: LoadPlan, planner: LoadPlanner) -> LoadPlan:
         """``plan``, or this rank's plan made again against the coordinator's checkpoint."""
-        chosen = plan.storage_data
-        if not isinstance(chosen, str) or chosen == self.resolved:
+        stamp = plan.storage_data
+        chosen = stamp.checkpoint if isinstance(stamp, Stamp) else None
+        if chosen is None or chosen == self.resolved:
             return plan
         if not isinstance(planner, DefaultLoadPlanner):
             raise DistributedCheckpointError(
@@ -204,38 +211,61 @@ class VaultReader(StorageReader):
         metadata = self._open(chosen)
         self.resolved = chosen
         planner.set_up_planner(planner.original_state_dict, metadata, self._coordinator)
+        self.set_up_storage_reader(metadata, self._coordinator)
         return planner.finish_plan(planner.create_local_plan())
 
-    def _range(self, digest: str, start: int, end: int) -> bytes:
-        self.stats.requests += 1
-        self.stats.bytes_read += end - start
-        self.stats.per_object[digest] = self.stats.per_object.get(digest, 0) + end - start
-        try:
-            return read_range(self.vault.store, digest, start, end)
-        except FileNotFoundError:
-            raise FormatError(
-                f"{self.vault.url}: checkpoint {self.resolved!r}: object {digest[:12]} is "
-                "missing; the vault is damaged, run 'weightvault vault ROOT verify'"
-            ) from None
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        plan = self._agree(plan, planner)
-        filled: set[tuple[Any, ...]] = set()
-        for req in plan.items:
-            ref = self._storage[req.storage_index]
-            if req.type == LoadItemType.BYTE_IO:
-                assert isinstance(ref, Value)
-                planner.load_bytes(req, as_blob(ref))
-            else:
-                self._read_tensor(req, planner, ref, filled)
+        stamp = plan.storage_data
+        shares = stamp.shares if isinstance(stamp, Stamp) else None
+        read: dict[int, torch.Tensor] = {}
+        tensors: list[ReadItem] = []
+
+        def run() -> None:
+            agreed = self._agree(plan, planner)
+            tensors.extend(r for r in agreed.items if r.type != LoadItemType.BYTE_IO)
+            self._read_own(agreed, planner, own_reads(tensors, shares), read)
+
+        if shares is None:
+            run()
+        else:
+            # Receivers wait on senders: every rank learns first that all reads succeeded.
+            agree(run, f"{self.vault.url}: checkpoint {self.resolved!r}")
+            sent, got = exchange(tensors, shares, planner, read, self._stored_dtype)
+            self.stats.bytes_sent += sent
+            self.stats.bytes_received += got
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_tensor(
-        self, req: ReadItem, planner: LoadPlanner, ref: tuple[str, Chunk], filled: set[Any]
+    def _stored_dtype(self, req: ReadItem) -> torch.dtype:
+        dtype, _ = self.index.chunk(req.storage_index.fqn, req.storage_index.offset or ())
+        return DTYPES[dtype]
+
+    def _read_own(
+        self,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        mine: list[ReadItem],
+        read: dict[int, torch.Tensor],
     ) -> None:
-        dtype, chunk = ref
+        """Values, then this rank's own tensor items, reading only the tables they need."""
+        index = self.index
+        before = index.table_bytes
+        index.load_tables(
+            index.tables_for((r.storage_index.fqn, r.storage_index.offset or ()) for r in mine)
+        )
+        for req in plan.items:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, as_blob(index.value(req.storage_index)))
+        tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
+        position = {id(r): i for i, r in enumerate(tensors)}
+        filled: set[tuple[Any, ...]] = set()
+        for req in mine:
+            read[position[id(req)]] = self._read_tensor(req, planner, filled)
+        self.stats.record_bytes += index.table_bytes - before
+
+    def _read_tensor(self, req: ReadItem, planner: LoadPlanner, filled: set[Any]) -> torch.Tensor:
+        dtype, chunk = self.index.chunk(req.storage_index.fqn, req.storage_index.offset or ())
         dst = planner.resolve_tensor(req).detach()
         key = storage_key(dst)
         box = (chunk.digest, tuple(req.storage_offsets), tuple(req.lengths))
@@ -243,32 +273,30 @@ class VaultReader(StorageReader):
             self.stats.skipped_bytes += dst.numel() * ITEMSIZE[dtype]
         else:
             if dst.numel() > 0:
-                dst.copy_(self._read_box(dtype, chunk, req.storage_offsets, req.lengths))
+                self._read_box(req, dtype, chunk, dst)
             if key is not None:
                 filled.add((box, key))
         planner.commit_tensor(req, dst)
+        return dst
 
-    def _read_box(
-        self, dtype: str, chunk: Chunk, offsets: Sequence[int], lengths: Sequence[int]
-    ) -> torch.Tensor:
-        """Elements ``offsets + [0, lengths)`` of ``chunk``, reading the covering range."""
-        sizes = list(chunk.sizes)
-        strides = [1] * len(sizes)
-        for d in range(len(sizes) - 2, -1, -1):
-            strides[d] = strides[d + 1] * sizes[d + 1]
-        first = sum(o * s for o, s in zip(offsets, strides, strict=True))
-        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
-        item = ITEMSIZE[dtype]
-        whole = first == 0 and last + 1 == numel(sizes)
-        data = self._range(chunk.digest, first * item, (last + 1) * item)
-        if whole and content_hash(data) != chunk.digest:
+    def _read_box(self, req: ReadItem, dtype: str, chunk: Chunk, dst: torch.Tensor) -> None:
+        fqn = req.storage_index.fqn
+        try:
+            n = read_box(self.vault.store, fqn, dtype, chunk, req.storage_offsets, req.lengths, dst)
+        except FileNotFoundError:
             raise FormatError(
-                f"{self.vault.url}: checkpoint {self.resolved!r}: object {chunk.digest[:12]} is "
-                "corrupt (hash mismatch); run 'weightvault vault ROOT verify'"
-            )
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(DTYPES[dtype])
-        return flat.as_strided(tuple(lengths), tuple(strides), 0)
+                f"{self.vault.url}: checkpoint {self.resolved!r}: tensor {fqn!r}: object "
+                f"{chunk.digest[:12]} is missing; the vault is damaged, run "
+                "'weightvault vault ROOT verify'"
+            ) from None
+        self.stats.requests += 1
+        self.stats.bytes_read += n
+        self.stats.per_object[chunk.digest] = self.stats.per_object.get(chunk.digest, 0) + n
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -8,45 +8,33 @@ after every rank succeeded, and it commits one record, then drops every rank's i
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import time
+import threading
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._base.dtypes import ITEMSIZE, numel
-from .._base.errors import CollectivesRequiredError, FormatError
-from .._torch.tensors import NAMES, tensor_bytes
-from .._vault.commit import begin, commit_record, release, store_missing
-from .._vault.dcp_record import KIND, model_header, parse_tensors
+from .._base.errors import CollectivesRequiredError
+from .._torch.tensors import tensor_bytes
+from .._vault.commit import Data, begin, commit_record, release, store_missing
+from .._vault.dcp_layout import encode_table
+from .._vault.delta import Encoder
 from .._vault.objects import content_hash
-from .._vault.records import VERSION, CheckpointRecord, check_free, parse_record
+from .._vault.records import CheckpointRecord, check_free, parse_record
 from .._vault.vault import VaultLike, as_vault
 from .planner import VaultSavePlanner
-from .values import Value, to_record
+from .record import Written, record_doc
+from .staging import wave_bytes
+from .values import to_record
 
-__all__ = ["VaultWriter"]
-
-
-@dataclass(frozen=True)
-class Written:
-    """What a rank reports for one chunk: its object, and whether it wrote it."""
-
-    digest: str
-    nbytes: int
-    new: bool
-    intent: str
+__all__ = ["VaultWriter", "Written", "chunk_table"]
 
 
 class VaultWriter(StorageWriter):
@@ -63,8 +51,13 @@ class VaultWriter(StorageWriter):
         name: The checkpoint's name; ``None`` picks the next number. DCP's
             ``checkpoint_id`` overrides it.
         metadata: Your ``str -> str`` metadata for the record.
+        staging_bytes: Hold at most this many bytes of copies of the chunks (see
+            :mod:`weightvault._dcp.staging`): everything else is written before
+            :attr:`staged` is set, the rest from the copy after. ``None``: write straight
+            from the state.
 
     Attributes:
+        staged: Set once the state may change again (every byte still to write is a copy).
         record: After a save, on the coordinator: the committed :class:`CheckpointRecord`.
         written_bytes: Bytes this rank wrote (objects the vault lacked).
         reused_bytes: Bytes this rank's chunks did not need to write.
@@ -77,6 +70,7 @@ class VaultWriter(StorageWriter):
         name: str | None = None,
         *,
         metadata: Mapping[str, str] | None = None,
+        staging_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.vault = as_vault(vault)
@@ -86,8 +80,20 @@ class VaultWriter(StorageWriter):
         self.written_bytes = 0
         self.reused_bytes = 0
         self.chunks = 0
+        self.staging_bytes = staging_bytes
+        self.staged = threading.Event()
         self._info: dict[str, Any] = {}
+        self._done: set[str] = set()
+        self._table: tuple[str, int, str] | None = None
         check_free(self.vault.store, self.name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process checkpointer pickles writers; an event is this process's own.
+        return {k: v for k, v in self.__dict__.items() if k != "staged"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.staged = threading.Event()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -95,6 +101,8 @@ class VaultWriter(StorageWriter):
             check_free(self.vault.store, self.name)
         self.record = None
         self.written_bytes = self.reused_bytes = self.chunks = 0
+        self.staged = threading.Event()
+        self._done, self._table = set(), None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
@@ -114,41 +122,81 @@ class VaultWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.name, save_id=uuid.uuid4().hex)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if isinstance(planner, VaultSavePlanner):
-            self._info = planner.info()
-        values: dict[int, Value] = {}
-        chunks: dict[int, memoryview] = {}
-        for i, item in enumerate(plan.items):
-            if item.type == WriteItemType.BYTE_IO:
-                values[i] = to_record(planner, item, f"{self.vault.url}: {item.index.fqn}")
-            else:
-                chunks[i] = tensor_bytes(cast(torch.Tensor, planner.resolve_data(item)))
-        digests = {i: content_hash(raw) for i, raw in chunks.items()}
-        results = self._store(plan.items, chunks, digests)
-        results.update({i: WriteResult(plan.items[i].index, 0, v) for i, v in values.items()})
+        try:
+            results = self._write(plan, planner)
+        finally:
+            self.staged.set()  # a failed save stops holding the caller too
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([results[i] for i in range(len(plan.items))])
         return fut
 
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> dict[int, WriteResult]:
+        if isinstance(planner, VaultSavePlanner):
+            self._info = planner.info()
+        results: dict[int, WriteResult] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for i, item in enumerate(plan.items):
+            if item.type == WriteItemType.BYTE_IO:
+                value = to_record(planner, item, f"{self.vault.url}: {item.index.fqn}")
+                results[i] = WriteResult(item.index, 0, value)
+            else:
+                tensors[i] = cast(torch.Tensor, planner.resolve_data(item))
+        digests: dict[int, str] = {}
+        tensor_results: dict[int, WriteResult] = {}
+
+        def write(chunks: dict[int, memoryview], last: bool) -> None:
+            hashed = {i: content_hash(raw) for i, raw in chunks.items()}
+            digests.update(hashed)
+            table = chunk_table(plan.items, digests) if last else None
+            tensor_results.update(self._store(plan.items, chunks, hashed, table))
+
+        if self.staging_bytes is None:
+            write({i: tensor_bytes(t) for i, t in tensors.items()}, True)
+        else:
+            wave_bytes(tensors, self.staging_bytes, write, self.staged.set)
+        return {**results, **self._with_table(tensor_results)}
+
+    def _with_table(self, results: dict[int, WriteResult]) -> dict[int, WriteResult]:
+        """``results`` naming this rank's chunk table, and the intent that protects it."""
+        if self._table is None:
+            return results
+        digest, size, intent = self._table
+        out = {}
+        for i, r in results.items():
+            w = dataclasses.replace(r.storage_data, table=digest, table_bytes=size,
+                                    table_intent=intent)  # fmt: skip
+            out[i] = dataclasses.replace(r, storage_data=w)
+        return out
+
     def _store(
-        self, items: list[WriteItem], chunks: dict[int, memoryview], digests: dict[int, str]
+        self,
+        items: list[WriteItem],
+        chunks: dict[int, memoryview],
+        digests: dict[int, str],
+        table: bytes | None,
     ) -> dict[int, WriteResult]:
-        """Steps 1 to 3 of the commit protocol for this rank's chunks."""
+        """Steps 1 to 3 of the commit protocol for some of this rank's chunks (and, in
+        the last wave, its chunk table)."""
         store = self.vault.store
-        intent = begin(store, digests.values(), gc_wait=self.vault.gc_wait)
+        objects: dict[str, Data] = {digests[i]: _data(raw) for i, raw in chunks.items()}
+        table_digest = content_hash(table) if table is not None else None
+        if table is not None and table_digest is not None:
+            objects[table_digest] = _data(table)
+        intent = begin(store, objects, gc_wait=self.vault.gc_wait)
         try:
-            objects = {digests[i]: (raw.nbytes, lambda raw=raw: raw) for i, raw in chunks.items()}
-            new = store_missing(store, objects)
+            # Chunks stay raw: each rank's load reads its ranges straight into the
+            # destination tensors, which a compressed frame would first have to decode.
+            new = store_missing(store, objects, encoder=Encoder(store, None, {}, {}))
         except BaseException:
             release(store, [intent])
             raise
-        if not chunks:
+        if not objects:
             release(store, [intent])  # names nothing: finish has no object to keep
-        results, done = {}, set()
+        results = {}
         for i, raw in chunks.items():
             digest = digests[i]
-            fresh = digest in new and digest not in done
-            done.add(digest)
+            fresh = digest in new and digest not in self._done
+            self._done.add(digest)
             if fresh:
                 self.written_bytes += raw.nbytes
             else:
@@ -156,96 +204,37 @@ class VaultWriter(StorageWriter):
             self.chunks += 1
             written = Written(digest, raw.nbytes, fresh, intent)
             results[i] = WriteResult(items[i].index, raw.nbytes, written)
+        if table_digest is not None:
+            self._table = (table_digest, len(table or b""), intent)
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Step 4 on the coordinator: commit the record, then drop every rank's intent."""
-        flat = [r for rs in results for r in rs]
-        tensors, values = _tables(metadata, flat, self.vault.url)
-        written: dict[str, Written] = {}
-        for r in flat:
-            w = r.storage_data
-            if isinstance(w, Written) and (w.digest not in written or w.new):
-                written[w.digest] = w  # one rank's "new" wins: it wrote the object
-        doc = self._doc(tensors, values, metadata, written)
+        doc, intents = record_doc(metadata, results, self._info, self.metadata, self.vault.url)
         name = commit_record(self.vault.store, doc, self.name)
         self.record = parse_record(name, doc, name)
-        release(self.vault.store, sorted({w.intent for w in written.values()}))
-
-    def _doc(
-        self,
-        tensors: dict[str, Any],
-        values: dict[str, Any],
-        metadata: Metadata,
-        written: Mapping[str, Written],
-    ) -> dict[str, Any]:
-        """The record: byte counts, the model's header, the chunk table and the values."""
-        info = self._info
-        ties = {a: c for a, c in dict(info.get("ties", {})).items() if c in tensors}
-        names = info.get("names") or [*tensors, *ties]
-        prefix = str(info.get("model_prefix", ""))
-        frozen = list(info.get("frozen", []))
-        parsed = parse_tensors(tensors, self.vault.url)
-        header = model_header(parsed, ties, names, frozen, prefix, "pt", self.metadata)
-        # Logical: every name's bytes, the tied alias included, as a plain state dict holds.
-        logical = sum(
-            numel(c.sizes) * ITEMSIZE[parsed[ties.get(fqn, fqn)].dtype]
-            for fqn in [*tensors, *ties]
-            for c in parsed[ties.get(fqn, fqn)].chunks
-        )
-        mappings = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
-        return {
-            "version": VERSION,
-            "kind": KIND,
-            "created": time.time(),
-            "framework": "pt",
-            "metadata": self.metadata,
-            "logical_bytes": logical,
-            "stored_bytes": sum(w.nbytes for w in written.values()),
-            "new_bytes": sum(w.nbytes for w in written.values() if w.new),
-            "tensors": len([n for n in names if n.startswith(prefix)]),
-            "header": header,
-            "dcp": {
-                "version": 1,
-                "tensors": tensors,
-                "values": values,
-                "ties": ties,
-                "mappings": mappings,
-                "model_prefix": prefix,
-                "frozen": frozen,
-            },
-        }
+        release(self.vault.store, sorted(intents))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _tables(
-    metadata: Metadata, flat: list[WriteResult], where: str
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The record's chunk table and values, from every rank's write results."""
-    by_index = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for r in flat}
-    tensors: dict[str, Any] = {}
-    values: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            got = by_index.get((fqn, ()))
-            if not isinstance(got, Value):
-                raise FormatError(f"{where}: value {fqn!r} was not written")
-            values[fqn] = got.value
+def _data(raw: memoryview | bytes) -> Data:
+    return (memoryview(raw).nbytes, lambda: raw)
+
+
+def chunk_table(items: list[WriteItem], digests: dict[int, str]) -> bytes | None:
+    """This rank's chunk table: its chunks that are part of a tensor, not all of it.
+
+    Whole-tensor chunks (a rank's own tensor, replicated scalars) are inline in the
+    record, so a rank that holds only those writes no table.
+    """
+    partial: dict[str, list[tuple[Any, Any, str]]] = {}
+    for i, digest in digests.items():
+        data = items[i].tensor_data
+        if data is None or tuple(data.chunk.sizes) == tuple(data.size):
             continue
-        chunks = []
-        for c in md.chunks:
-            w = by_index.get((fqn, tuple(c.offsets)))
-            if not isinstance(w, Written):
-                raise FormatError(
-                    f"{where}: tensor {fqn!r} chunk {tuple(c.offsets)} was not written"
-                )
-            chunks.append([list(c.offsets), list(c.sizes), w.digest])
-        tensors[fqn] = {
-            "dtype": NAMES[md.properties.dtype],
-            "shape": list(md.size),
-            "chunks": chunks,
-        }
-    return tensors, values
+        entry = (tuple(data.chunk.offsets), tuple(data.chunk.sizes), digest)
+        partial.setdefault(items[i].index.fqn, []).append(entry)
+    return encode_table(partial) if partial else None

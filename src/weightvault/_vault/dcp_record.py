@@ -2,9 +2,10 @@
 
 A DCP save leaves each tensor in pieces: one content-addressed object per shard chunk,
 written by whichever rank held that chunk. The record (``checkpoints/<name>.json``, kind
-``"dcp"``) lists every chunk with its offsets, sizes and object, in JSON; nothing is
-pickled. It also carries the usual safetensors header for the model's tensors (canonical
-names, ties as aliases, frozen flags), so a single plain process can load the checkpoint
+``"dcp"``) is JSON, nothing is pickled; it lists each tensor's chunks, inline or in the
+per-rank chunk tables it names (:mod:`.dcp_layout`). It also carries the usual
+safetensors header for the model's tensors (canonical names, ties as aliases, frozen
+flags), so a single plain process can load the checkpoint
 with :meth:`Vault.load` or export it with :meth:`Vault.export`: :class:`DcpCheckpoint`
 assembles each tensor from its chunks on demand.
 
@@ -14,7 +15,7 @@ This module imports no framework; :mod:`weightvault.dcp` writes these records.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,23 +23,19 @@ from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
 from .._file.header import TensorInfo, encode_header
 from .._file.manifest import MANIFEST_KEY, Manifest
-from .objects import DIGEST, ObjectCheckpoint, content_hash, damaged, prefetch, read_object
+from .dcp_layout import Chunk, Layout, grid_chunk, parse_layout, parse_table
+from .objects import (
+    ObjectCheckpoint,
+    content_hash,
+    damaged,
+    object_key,
+    prefetch,
+    read_object,
+)
 from .records import parse_header_text, parse_record, record_key
 from .store import Store
 
 KIND = "dcp"
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One stored piece of a tensor: its box in the global tensor and its object."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    digest: str
-
-    def nbytes(self, dtype: str) -> int:
-        return numel(self.sizes) * ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True)
@@ -51,29 +48,56 @@ class ChunkedTensor:
 
 
 def parse_tensors(section: Mapping[str, Any], where: str) -> dict[str, ChunkedTensor]:
-    """The ``tensors`` of a record's ``dcp`` section, validated."""
-    out: dict[str, ChunkedTensor] = {}
+    """The inline ``tensors`` of a version 1 ``dcp`` section, validated."""
+    layout = parse_layout({"version": 1, "tensors": section}, where)
+    return {f: ChunkedTensor(t.dtype, t.shape, t.chunks or ()) for f, t in layout.tensors.items()}
+
+
+def read_tables(
+    store: Store, layout: Layout, which: Iterable[int], where: str
+) -> dict[int, dict[str, dict[tuple[int, ...], Chunk]]]:
+    """Tables ``which`` of ``layout``, each checked against its object name.
+
+    Raises:
+        FormatError: A table is missing, corrupt or malformed.
+    """
+    wanted = {i: layout.tables[i] for i in set(which)}
+    digests = {i: d for i, d in wanted.items() if d is not None}
+    keys = {object_key(d): i for i, d in digests.items()}
     try:
-        for fqn, t in section.items():
-            dtype, shape = str(t["dtype"]), tuple(int(s) for s in t["shape"])
-            if dtype not in ITEMSIZE:
-                raise ValueError(f"unknown dtype {dtype}")
-            chunks = []
-            for off, sizes, digest in t["chunks"]:
-                c = Chunk(tuple(int(o) for o in off), tuple(int(s) for s in sizes), str(digest))
-                if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
-                    raise ValueError(f"chunk rank differs from the tensor's ({fqn})")
-                if any(
-                    o < 0 or s < 0 or o + s > n
-                    for o, s, n in zip(c.offsets, c.sizes, shape, strict=True)
-                ):
-                    raise ValueError(f"chunk out of bounds ({fqn})")
-                if not DIGEST.fullmatch(c.digest):
-                    raise ValueError(f"bad object name ({fqn})")
-                chunks.append(c)
-            out[str(fqn)] = ChunkedTensor(dtype, shape, tuple(chunks))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise FormatError(f"{where}: DCP chunk table is malformed ({e})") from e
+        got = {keys[k]: v for k, v in store.get_many(sorted(keys)).items()}
+    except FileNotFoundError:
+        got = {}  # one is in a gc's trash, or gone: read each where it is
+    out = {}
+    for i, digest in sorted(digests.items()):
+        try:
+            raw = got[i] if i in got else read_object(store, digest)
+        except FileNotFoundError:
+            raise FormatError(
+                f"{where}: chunk table of rank {i} ({digest[:12]}) is missing; the vault is "
+                "damaged, run 'weightvault vault ROOT verify'"
+            ) from None
+        if content_hash(raw) != digest:
+            raise FormatError(
+                f"{where}: chunk table of rank {i} ({digest[:12]}) is corrupt (hash mismatch); "
+                "run 'weightvault vault ROOT verify'"
+            )
+        out[i] = parse_table(raw, f"{where} (table of rank {i})")
+    return out
+
+
+def resolve_tensors(
+    layout: Layout, tables: Mapping[int, Mapping[str, Mapping[Any, Chunk]]], where: str
+) -> dict[str, ChunkedTensor]:
+    """Every tensor with all its chunks, the grid's looked up in ``tables``."""
+    out = {}
+    for fqn, t in layout.tensors.items():
+        if t.grid is None:
+            out[fqn] = ChunkedTensor(t.dtype, t.shape, t.chunks or ())
+            continue
+        g = t.grid
+        chunks = [grid_chunk(fqn, g, c, tables[g.table_of(c)], where) for c in g.cells()]
+        out[fqn] = ChunkedTensor(t.dtype, t.shape, tuple(chunks))
     return out
 
 
@@ -129,7 +153,9 @@ class DcpCheckpoint(ObjectCheckpoint):
         section, header_text = doc.get("dcp"), doc.get("header")
         if not isinstance(section, dict) or not isinstance(header_text, str):
             raise FormatError(f"{where}: DCP checkpoint record lacks its chunk table or header")
-        self.tensors = parse_tensors(section.get("tensors", {}), where)
+        layout = parse_layout(section, where)
+        tables = read_tables(store, layout, range(len(layout.tables)), where)
+        self.tensors = resolve_tensors(layout, tables, where)
         self.prefix = str(section.get("model_prefix", ""))
         header, manifest = parse_header_text(header_text, where)
         self._check_coverage(header.tensors, where)
@@ -139,6 +165,10 @@ class DcpCheckpoint(ObjectCheckpoint):
             for i, c in enumerate(t.chunks):
                 objects[f"{fqn}@{i}"] = c.digest
                 sizes[f"{fqn}@{i}"] = c.nbytes(t.dtype)
+        for i, digest in enumerate(layout.tables):
+            if digest is not None:  # gc keeps and verify checks the tables too
+                objects[f"chunk table of rank {i}"] = digest
+                sizes[f"chunk table of rank {i}"] = layout.table_sizes[i]
         self._pieces: dict[str, bytes | memoryview] = {}
         self._files: dict[str, bytes] = {}
         super().__init__(
