@@ -421,7 +421,12 @@ def test_load_streams_one_variable_at_a_time(tmp_path: Path, kind: str) -> None:
     fresh = dense_stack(width, depth)
     extra = _peak_extra(lambda: wvk.load(fresh, path))
     # Reading everything first held the whole model again (24 MiB on PyTorch).
-    assert extra < keras_extra + 2 * (width * width * 4) + (2 << 20), (extra, keras_extra)
+    slack = 2 * (width * width * 4) + (2 << 20)
+    if keras.backend.backend() == "jax":
+        # JAX hands freed buffers back late and by its own schedule, for Keras as for us;
+        # there only a whole extra copy of the model (24 MiB) is told apart from noise.
+        slack = width * width * 4 * depth // 2
+    assert extra < keras_extra + slack, (extra, keras_extra)
     x = np.ones((1, width), "float32")
     assert np.array_equal(np_(fresh(x)), np_(model(x)))
 
