@@ -74,18 +74,13 @@ def read_into(store: Store, digest: str, start: int, out: memoryview, name: str)
         FormatError: It is shorter than the range.
     """
     for key in locations(store, digest):
-        try:
-            head = store.get_range(key, 0, HEADER_SIZE)
-        except FileNotFoundError:
-            continue
-        if is_frame(head):
-            # A compressed (or delta) object: its bytes are not where the range says, so
-            # the range is decoded from the blocks that cover it.
-            out[:] = read_range(store, digest, start, start + out.nbytes)
-            return
         path = store.local_path(key)
         if path is None:
             try:
+                if is_frame(store.get_range(key, 0, HEADER_SIZE)):
+                    # A compressed (or delta) object: its range is decoded from its blocks.
+                    out[:] = read_range(store, digest, start, start + out.nbytes)
+                    return
                 data = store.get_range(key, start, start + out.nbytes)
             except FileNotFoundError:
                 continue
@@ -100,7 +95,11 @@ def read_into(store: Store, digest: str, start: int, out: memoryview, name: str)
         except FileNotFoundError:
             continue
         try:
-            read_fully(fd, out, start, f"{store.url}/{key}", name)
+            # The frame check reads the already-open file: no second open per chunk read.
+            if is_frame(os.pread(fd, HEADER_SIZE, 0)):
+                out[:] = read_range(store, digest, start, start + out.nbytes)
+            else:
+                read_fully(fd, out, start, f"{store.url}/{key}", name)
         finally:
             os.close(fd)
         return
