@@ -230,7 +230,7 @@ class Encoder:
             return self._learn(digest, _as_raw(raw), 0, frozenset())
         itemsize = self.itemsizes.get(digest, 4)
         delta = self._delta(digest, raw, itemsize)
-        small = raw.nbytes < 4 * _SAMPLE
+        small = raw.nbytes < 8 * _SAMPLE
         if delta is not None and not small and not _delta_wins(self.codec, raw, delta[0], itemsize):
             delta = None
         best: tuple[bytes, int, frozenset[str]] | None = None
@@ -299,8 +299,9 @@ class Encoder:
         return payload, base, kind, depth + 1, chain | {base}
 
 
-#: Objects at least this large choose between delta and full object on a sample.
-_SAMPLE = 64 << 10
+#: Bytes of each sample slice; objects of at least 8 slices choose on a sample (4
+#: slices compressed) rather than compressing both candidates in full (2 x the object).
+_SAMPLE = 16 << 10
 
 
 def _delta_wins(codec: Codec, raw: memoryview, delta: memoryview, itemsize: int) -> bool:
