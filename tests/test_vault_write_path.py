@@ -184,3 +184,31 @@ def test_a_base_another_writer_stored_anew_is_read_back_not_trusted(tmp_path: Pa
     assert torch.equal(fresh.weight, m.weight)
     report = vault.verify()
     assert report.ok, report.problems
+
+
+def test_training_state_last_keeps_the_disk_at_one_optimizer_state(tmp_path: Path) -> None:
+    def disk(root: Path) -> int:
+        return sum(p.stat().st_size for p in (root / "objects").rglob("*") if p.is_file())
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    vault = Vault(tmp_path / "v", compression=None, training_state_last=1)
+    sizes = []
+    for _ in range(4):
+        m(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        vault.save(m, optimizer=opt)
+        sizes.append(disk(tmp_path / "v"))
+    weights = sum(p.numel() * 4 for p in m.parameters())
+    # Each save adds one set of weights; the moments of only the newest stay.
+    assert sizes[3] - sizes[2] == pytest.approx(weights, rel=0.02)
+    assert sizes[3] == pytest.approx(4 * weights + 2 * weights, rel=0.02)
+    assert vault.open("000003").manifest.training is None
+    fresh = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    vault.load(fresh, optimizer=fresh_opt)
+    for p, q in zip(m.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])

@@ -73,7 +73,8 @@ class Vault:
             deltas off.
         training_state_last: Keep optimizer, scheduler and RNG state only in the newest
             ``N`` checkpoints: each save drops it from older ones, whose weights stay
-            loadable (see :meth:`retain`). ``None`` keeps all of it.
+            loadable (see :meth:`retain`), and runs :meth:`gc` to free what it held.
+            ``None`` keeps all of it.
         **storage_options: Passed to fsspec for remote roots (endpoint, credentials).
 
     Raises:
@@ -192,9 +193,15 @@ class Vault:
         return self._in_background(work, name) if background else work()
 
     def _trimmed(self, record: CheckpointRecord) -> CheckpointRecord:
-        """``record``, once older checkpoints lost their training state (if asked)."""
-        if self.training_state_last is not None:
-            drop_training_except_last(self.store, self.training_state_last)
+        """``record``, once older checkpoints lost their training state (if asked) and
+        the objects only that state held are freed."""
+        if self.training_state_last is not None and drop_training_except_last(
+            self.store, self.training_state_last
+        ):
+            # A run that keeps one resumable checkpoint expects its disk to stay at one
+            # optimizer state, as a Trainer's save_total_limit does, not to grow until
+            # someone thinks of gc: a gc here frees what the dropped state alone held.
+            collect(self.store)
         return record
 
     def _in_background(
