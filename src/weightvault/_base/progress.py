@@ -1,9 +1,22 @@
-"""A dependency-free progress bar on stderr, drawn only when stderr is a terminal."""
+"""A dependency-free progress bar on stderr, drawn only when stderr is a terminal.
+
+Long work reports bytes as it goes (``bar(n)``). Some of it goes quiet for a while: a
+vault save reports bytes as it hashes, then compresses and writes without a word. So
+that a quiet phase never looks like a hang, a bar on a terminal redraws its elapsed
+seconds every :data:`TICK` seconds from a small thread until it is closed. On anything
+but a terminal (a pipe, a CI log) it draws nothing and starts no thread.
+
+Example:
+    >>> with Progress(total, "saving") as bar:
+    ...     vault.save(model, progress=bar)
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from types import TracebackType
 from typing import TextIO
 
 
@@ -17,35 +30,115 @@ def human(n: float) -> str:
     return f"{value:.1f} TiB"
 
 
-class Progress:
-    """Counts bytes and redraws ``label [#####.....]  45%  1.2 GiB / 2.5 GiB  310 MiB/s``.
+#: Seconds between redraws: of bytes as they come, and of the elapsed time when none do.
+TICK = 0.5
+#: The widest line a bar draws (it is cleared with as many spaces): an 80-column
+#: terminal's line, less the cursor's column.
+WIDTH = 79
+#: The bar's own width in characters.
+BAR = 20
 
-    Call it with each chunk's byte count; call :meth:`close` at the end. On anything but a
-    terminal (a pipe, CI's log) it draws nothing, so logs stay clean.
+
+class Progress:
+    """Counts bytes and redraws ``label [#####.....]  45%  1.2 GiB / 2.5 GiB  310.0 MiB/s  3 s``.
+
+    Call it with each chunk's byte count, from any thread; call :meth:`close` at the end
+    (or use it as a context manager). A total of 0 means "unknown": then it draws the
+    bytes and the rate without a bar. Past its total it keeps counting, shown as 100%.
     """
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
-        self.total, self.label, self.done = max(total, 1), label, 0
+    def __init__(
+        self, total: int, label: str, stream: TextIO | None = None, *, tick: float = TICK
+    ) -> None:
+        self.total, self.label, self.done = max(total, 0), label, 0
         self.stream = stream or sys.stderr
-        self.on = self.stream.isatty()
+        self.on = _is_terminal(self.stream)
         self.start = time.monotonic()
+        self.tick = tick
         self._last = 0.0
+        self._full = False
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if self.on:
+            self._ticker = threading.Thread(target=self._tick, name="weightvault-progress")
+            self._ticker.daemon = True  # never keeps a finished program alive
+            self._ticker.start()
 
     def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.on and (now - self._last > 0.1 or self.done >= self.total):
-            self._last = now
+        with self._lock:
+            self.done += n
+            now = time.monotonic()
+            full = bool(self.total) and self.done >= self.total
+            if self.on and not self._closed.is_set():
+                # Throttled, but reaching the total is always shown, once.
+                if now - self._last >= self.tick / 5 or (full and not self._full):
+                    self._draw(now)
+                self._full = full
+
+    def phase(self, label: str, total: int) -> None:
+        """Start counting another phase of the same work (``writing`` after ``hashing``)
+        from zero, with its own total."""
+        with self._lock:
+            self.label, self.total, self.done = label, max(total, 0), 0
+            self.start, self._full = time.monotonic(), False
+            if self.on and not self._closed.is_set():
+                self._draw(self.start)
+
+    def line(self, now: float) -> str:
+        """What the bar shows at ``now``, at most :data:`WIDTH` characters: a long label
+        is cut, the figures never are."""
+        elapsed = now - self.start
+        rate = f"{human(self.done / max(elapsed, 1e-9))}/s"
+        if not self.total:
+            figures = f"  {human(self.done)}  {rate}  {elapsed:.0f} s"
+        else:
             frac = min(self.done / self.total, 1.0)
-            bar = "#" * int(frac * 24)
-            rate = self.done / max(now - self.start, 1e-9)
-            self.stream.write(
-                f"\r{self.label} [{bar:<24}] {frac:4.0%}  {human(self.done)} / "
-                f"{human(self.total)}  {human(rate)}/s "
+            figures = (
+                f" [{'#' * int(frac * BAR):<{BAR}}] {frac:4.0%}  {human(self.done)} / "
+                f"{human(self.total)}  {rate}  {elapsed:.0f} s"
             )
-            self.stream.flush()
+        room = max(WIDTH - len(figures), 8)
+        label = self.label if len(self.label) <= room else self.label[: room - 3] + "..."
+        return label + figures
+
+    def _draw(self, now: float) -> None:
+        self._last = now
+        self.stream.write("\r" + self.line(now).ljust(WIDTH))
+        self.stream.flush()
+
+    def _tick(self) -> None:
+        while not self._closed.wait(self.tick):
+            with self._lock:
+                if not self._closed.is_set():
+                    self._draw(time.monotonic())
 
     def close(self) -> None:
-        if self.on:
-            self.stream.write("\r" + " " * 78 + "\r")
-            self.stream.flush()
+        """Stop redrawing and clear the line (on a terminal); calling it again does nothing."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            if self.on:
+                self.stream.write("\r" + " " * WIDTH + "\r")
+                self.stream.flush()
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
