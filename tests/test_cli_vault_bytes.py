@@ -117,6 +117,11 @@ def test_log_shows_raw_and_on_disk_bytes_as_the_files_hold_them(tmp_path: Path) 
         )
         assert ratio == f"{c['ratio']:.2f}x"
     assert "*" not in out  # every figure comes from the records
+    last = ckpts[-1]
+    code, shown = run("vault", str(root), "show", "latest")
+    assert code == 0 and shown.splitlines()[0].endswith(
+        f"new bytes {human(last['new_bytes'])} ({human(last['written_bytes'])} on disk)"
+    )
     total = doc["total"]
     assert out.endswith(
         f"\n3 checkpoints, {human(total['raw_bytes'])} raw; the vault takes "
@@ -166,6 +171,8 @@ def test_a_legacy_vault_shows_derived_sizes_marked(tmp_path: Path) -> None:
     assert table["step-1"][:4] == ["500 B", "500 B", "500 B*", "1.00x"]
     assert table["dcp"][2] == "0 B*"
     assert re.search(r"^\* not in the record: these objects were written raw", out, re.M)
+    code, shown = run("vault", str(root), "show", "step-2")
+    assert code == 0 and ", new bytes 484 B (484 B on disk, written raw)\n" in shown
     # docs/cli.md shows this very output (dates aside).
     shown = DOC.read_text().split("$ weightvault vault tests/fixtures/legacy_vault log\n")[1]
     assert dated(shown.split("```")[0]) == dated(out)

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
+from .._vault.records import read_doc
 from .._vault.store import open_store
 from .._vault.usage import vault_usage
 from .._vault.vault import Vault
@@ -110,9 +111,11 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     with vault.open(args.name) as ckpt:
         info, training = describe(ckpt)
         record = ckpt.record
+    # As in log: a record without written_bytes had its objects written raw.
+    raw = "" if "written_bytes" in read_doc(vault.store, record.name) else ", written raw"
     heading = (
         f"{record.name}: created {_when(record.created)}, {len(info.names)} names, "
-        f"new bytes {human(record.new_bytes)} ({human(record.written_bytes)} on disk)"
+        f"new bytes {human(record.new_bytes)} ({human(record.written_bytes)} on disk{raw})"
     )
     show(info, training, heading, out, as_json=args.json, extra={"record": asdict(record)})
     return EXIT_OK
