@@ -74,6 +74,37 @@ def test_a_quiet_phase_still_shows_its_elapsed_time_until_closed() -> None:
     assert screen.getvalue() == after
 
 
+def test_after_its_total_a_bar_names_the_quiet_work_and_its_seconds() -> None:
+    screen = Terminal()
+    with Progress(100, "saving", screen, tick=0.05, then="compressing and writing") as bar:
+        bar(40)
+        assert "[########            ]  40%" in bar.line(time.monotonic())
+        bar(60)
+        time.sleep(1.2)
+        now = time.monotonic()
+        m = re.fullmatch(
+            r"saving: compressing and writing  (\d+) s  \(after 100 B in 0 s\)", bar.line(now)
+        )
+        assert m and int(m[1]) >= 1
+        bar.phase("writing", 10)  # a save that reports its writes counts them as such
+        assert bar.line(time.monotonic()).startswith(f"writing [{' ' * 20}]   0%  0 B / 10 B")
+    assert re.search(r"saving: compressing and writing  [1-9]\d* s", screen.getvalue())
+
+
+class GoneTerminal(Terminal):
+    """A terminal that hung up: every write fails."""
+
+    def write(self, text: str) -> int:
+        raise OSError(5, "Input/output error")
+
+
+def test_a_terminal_that_went_away_never_fails_the_save(tmp_path: Path) -> None:
+    with Progress(1 << 20, "saving", GoneTerminal(), tick=0.01) as bar:
+        weightvault.Vault(tmp_path / "v").save(model(1), progress=bar)
+        time.sleep(0.05)  # the ticker too
+        assert not bar.on and bar.done == 1 << 20
+
+
 def test_unknown_total_and_a_second_phase() -> None:
     screen = Terminal()
     with Progress(0, "hashing", screen, tick=10) as bar:
@@ -105,7 +136,9 @@ def test_save_progress_true_draws_on_a_terminal_only(
     vault = weightvault.Vault(tmp_path / "v")
     vault.save(model(), "first", progress=True)
     drawn = screen.getvalue()
-    assert "saving first [####################] 100%  4.0 MiB / 4.0 MiB" in drawn
+    # Hashed (the bar), then compressing and writing, which reports no bytes.
+    assert "saving first [" in drawn
+    assert "saving first: compressing and writing  0 s  (after 4.0 MiB in 0 s)" in drawn
     assert drawn.endswith(" " * 79 + "\r")  # the line is cleared at the end
     # In the background too: the bar is closed when the save ends.
     handle = vault.save(model(2), progress=True, background=True)
@@ -157,4 +190,5 @@ def test_a_real_terminal_gets_the_bar_and_a_pipe_gets_nothing(tmp_path: Path) ->
     finally:
         os.close(leader)
     assert proc.returncode == 0 and proc.stdout == b"saved\n"
-    assert b"saving [####################] 100%  8.0 MiB / 8.0 MiB" in drawn
+    assert b"saving [" in drawn
+    assert b"saving: compressing and writing  " in drawn and b"(after 8.0 MiB in " in drawn

@@ -45,12 +45,28 @@ class Progress:
     Call it with each chunk's byte count, from any thread; call :meth:`close` at the end
     (or use it as a context manager). A total of 0 means "unknown": then it draws the
     bytes and the rate without a bar. Past its total it keeps counting, shown as 100%.
+
+    Args:
+        total: The bytes to expect (0: unknown).
+        label: What the work is, first on the line.
+        stream: Where to draw; stderr by default.
+        tick: Seconds between redraws.
+        then: What the work does, silently, once the total is reached (a save
+            compresses and writes after hashing). The line then names it with the
+            seconds spent on it, instead of a full bar whose rate would seem to fall.
     """
 
     def __init__(
-        self, total: int, label: str, stream: TextIO | None = None, *, tick: float = TICK
+        self,
+        total: int,
+        label: str,
+        stream: TextIO | None = None,
+        *,
+        tick: float = TICK,
+        then: str | None = None,
     ) -> None:
-        self.total, self.label, self.done = max(total, 0), label, 0
+        self.total, self.label, self.done, self.then = max(total, 0), label, 0, then
+        self._reached = 0.0  # when the total was reached (for ``then``)
         self.stream = stream or sys.stderr
         self.on = _is_terminal(self.stream)
         self.start = time.monotonic()
@@ -70,17 +86,22 @@ class Progress:
             self.done += n
             now = time.monotonic()
             full = bool(self.total) and self.done >= self.total
-            if self.on and not self._closed.is_set():
-                # Throttled, but reaching the total is always shown, once.
-                if now - self._last >= self.tick / 5 or (full and not self._full):
-                    self._draw(now)
-                self._full = full
+            reached, self._full = full and not self._full, full
+            if reached:
+                self._reached = now
+            # Throttled, but reaching the total is always shown, once.
+            if (
+                self.on
+                and not self._closed.is_set()
+                and (reached or now - self._last >= self.tick / 5)
+            ):
+                self._draw(now)
 
     def phase(self, label: str, total: int) -> None:
         """Start counting another phase of the same work (``writing`` after ``hashing``)
         from zero, with its own total."""
         with self._lock:
-            self.label, self.total, self.done = label, max(total, 0), 0
+            self.label, self.total, self.done, self.then = label, max(total, 0), 0, None
             self.start, self._full = time.monotonic(), False
             if self.on and not self._closed.is_set():
                 self._draw(self.start)
@@ -90,7 +111,13 @@ class Progress:
         is cut, the figures never are."""
         elapsed = now - self.start
         rate = f"{human(self.done / max(elapsed, 1e-9))}/s"
-        if not self.total:
+        if self.then is not None and self._full:
+            done = self._reached - self.start
+            figures = (
+                f": {self.then}  {now - self._reached:.0f} s  (after {human(self.done)} in "
+                f"{done:.0f} s)"
+            )
+        elif not self.total:
             figures = f"  {human(self.done)}  {rate}  {elapsed:.0f} s"
         else:
             frac = min(self.done / self.total, 1.0)
@@ -104,13 +131,20 @@ class Progress:
 
     def _draw(self, now: float) -> None:
         self._last = now
-        self.stream.write("\r" + self.line(now).ljust(WIDTH))
-        self.stream.flush()
+        self._write("\r" + self.line(now).ljust(WIDTH))
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            # A terminal that went away (closed, hung up) must not fail the work drawn.
+            self.on = False
 
     def _tick(self) -> None:
         while not self._closed.wait(self.tick):
             with self._lock:
-                if not self._closed.is_set():
+                if self.on and not self._closed.is_set():
                     self._draw(time.monotonic())
 
     def close(self) -> None:
@@ -120,8 +154,7 @@ class Progress:
                 return
             self._closed.set()
             if self.on:
-                self.stream.write("\r" + " " * WIDTH + "\r")
-                self.stream.flush()
+                self._write("\r" + " " * WIDTH + "\r")
         if self._ticker is not None and self._ticker is not threading.current_thread():
             self._ticker.join()
 

@@ -431,7 +431,9 @@ def _bar(
     if progress is not True:
         return progress or None
     sizes = {s.identity: s.nbytes for s in sources}
-    return Bar(sum(sizes.values()), f"saving {name}" if name else "saving")
+    label = f"saving {name}" if name else "saving"
+    # The save reports bytes as it hashes, then compresses and writes without a word.
+    return Bar(sum(sizes.values()), label, then="compressing and writing")
 
 
 def _check_names(
