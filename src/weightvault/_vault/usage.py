@@ -18,9 +18,9 @@ its weights only, while its save wrote the training state too: its ratio is ``No
 rather than a comparison of two different things.
 
 Example:
-    >>> u = vault_usage(vault.store)
+    >>> u = vault_usage(vault.store)           # docs/cli.md's vault
     >>> [c.ratio for c in u.checkpoints]       # on disk / raw, per checkpoint
-    [0.84, 0.05, 0.05]
+    [0.8385, 0.051, 0.0509]
 """
 
 from __future__ import annotations
