@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._base.background import SaveHandle, SnapshotPool
+from .._base.progress import Progress as Bar
 from .._file.layout import is_training
 from .._file.sharing import Source
 from .._file.writer import check_names
@@ -138,7 +139,7 @@ class Vault:
         name: str | None = None,
         *,
         metadata: Mapping[str, str] | None = None,
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
         optimizer: Any = None,
         scheduler: Any = None,
         rng: bool = False,
@@ -156,7 +157,9 @@ class Vault:
                 or a dict of numpy arrays.
             name: The checkpoint's name; by default the next number (``000001``, ...).
             metadata: Your ``str -> str`` metadata.
-            progress: Called with a byte count as tensors are hashed.
+            progress: Called with a byte count as tensors are hashed. ``True`` draws a
+                bar on stderr when it is a terminal (nothing on a pipe or a log): the
+                bytes hashed, then the seconds spent compressing and writing.
             optimizer: Also store the optimizer's state by parameter name (PyTorch) or
                 variable path (Keras).
             scheduler: Also store the LR scheduler's state (PyTorch).
@@ -183,12 +186,18 @@ class Vault:
         sources, training = _sources(adapter, model, optimizer, scheduler, rng, snapshot)
         _check_names(sources, training, metadata, self.url)
 
+        bar = _bar(progress, sources, name)
+
         def work() -> CheckpointRecord:
-            return self._trimmed(save_sources(
-                self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
-                metadata=metadata, progress=progress, sums=self._sums, gc_wait=self.gc_wait,
-                storage=self.storage,
-            ))  # fmt: skip
+            try:
+                return self._trimmed(save_sources(
+                    self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
+                    metadata=metadata, progress=bar, sums=self._sums, gc_wait=self.gc_wait,
+                    storage=self.storage,
+                ))  # fmt: skip
+            finally:
+                if progress is True and isinstance(bar, Bar):  # ours, not the caller's
+                    bar.close()
 
         return self._in_background(work, name) if background else work()
 
@@ -419,6 +428,19 @@ def _sources(
         model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
     )
     return sources, training
+
+
+def _bar(
+    progress: Progress | bool | None, sources: Sequence[Source], name: str | None
+) -> Progress | None:
+    """The save's progress hook: the caller's, or for ``True`` a bar sized to the bytes
+    the save hashes (each tensor once, however many names share it)."""
+    if progress is not True:
+        return progress or None
+    sizes = {s.identity: s.nbytes for s in sources}
+    label = f"saving {name}" if name else "saving"
+    # The save reports bytes as it hashes, then compresses and writes without a word.
+    return Bar(sum(sizes.values()), label, then="compressing and writing")
 
 
 def _check_names(
