@@ -139,6 +139,8 @@ def store_missing(
     pool: ThreadPoolExecutor | None = None,
     wrote: Callable[[str, memoryview | bytes], object] | None = None,
     encoder: Encoder | None = None,
+    writing: Callable[[Sequence[str]], object] | None = None,
+    written: Callable[[str], object] | None = None,
 ) -> dict[str, int]:
     """Step 3: write each object the vault lacks, durably; return ``{digest: file bytes}``
     of those written (a frame's compressed size, see :mod:`.delta`).
@@ -153,12 +155,17 @@ def store_missing(
         wrote: Called with each written object's digest and raw bytes (from those threads).
         encoder: Turns raw bytes into the file's bytes; by default each object is
             compressed (no deltas) with the default codec, when that pays.
+        writing: Called once with the digests about to be written (for progress).
+        written: Called with each digest once it is encoded and staged, on the calling
+            thread (for progress).
     """
     pool = pool or workers()
     encoder = encoder or Encoder(store, CODECS[DEFAULT], {}, {})
     digests = list(objects)
     sizes = each(pool, lambda d: stored_depth(store, d, objects[d][0]), digests)
     missing = [d for d, depth in zip(digests, sizes, strict=True) if depth is None]
+    if writing is not None:
+        writing(missing)
 
     staged: dict[str, str] = {}
     lock = threading.Lock()
@@ -174,7 +181,7 @@ def store_missing(
         return memoryview(payload).nbytes
 
     try:
-        sizes_written = each(pool, put, missing)
+        sizes_written = each(pool, put, missing, written)
         # Every object durable and in place at once: one journal commit for the whole
         # save, where an fsync per object cost one each (see _base.atomic.sync_files).
         store.publish(staged)

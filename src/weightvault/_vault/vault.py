@@ -159,7 +159,9 @@ class Vault:
             metadata: Your ``str -> str`` metadata.
             progress: Called with a byte count as tensors are hashed. ``True`` draws a
                 bar on stderr when it is a terminal (nothing on a pipe or a log): the
-                bytes hashed, then the seconds spent compressing and writing.
+                bytes hashed, then (``saving: writing``) the bytes compressed and
+                written. A callable of yours that also has a ``phase(label, total)``
+                method is told the same way when the writing starts.
             optimizer: Also store the optimizer's state by parameter name (PyTorch) or
                 variable path (Keras).
             scheduler: Also store the LR scheduler's state (PyTorch).
@@ -439,7 +441,8 @@ def _bar(
         return progress or None
     sizes = {s.identity: s.nbytes for s in sources}
     label = f"saving {name}" if name else "saving"
-    # The save reports bytes as it hashes, then compresses and writes without a word.
+    # The save reports bytes as it hashes; the pause before the writing phase (bases,
+    # intent, existence checks) shows as "compressing and writing" with its seconds.
     return Bar(sum(sizes.values()), label, then="compressing and writing")
 
 
