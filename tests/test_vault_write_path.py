@@ -48,6 +48,7 @@ def test_a_save_syncs_its_objects_in_one_batch_not_one_fsync_each(
 ) -> None:
     if not atomic.syncfs(str(tmp_path)):
         pytest.skip("syncfs(2) is not available here")
+    monkeypatch.setattr(atomic, "_others_dirty", lambda own: 0)  # a quiet machine
     calls: list[int] = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
@@ -68,10 +69,16 @@ def test_a_save_syncs_its_objects_in_one_batch_not_one_fsync_each(
     )
 
 
+@pytest.mark.parametrize("why", ["no syncfs", "another job has much to write"])
 def test_without_syncfs_each_object_is_fsynced_and_the_save_is_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
 ) -> None:
-    monkeypatch.setattr(atomic, "syncfs", lambda root: False)
+    if why == "no syncfs":
+        monkeypatch.setattr(atomic, "syncfs", lambda root: False)
+    else:
+        # syncfs would also wait for the other job's gigabyte: never called then.
+        monkeypatch.setattr(atomic, "_others_dirty", lambda own: 1 << 30)
+        monkeypatch.setattr(atomic, "syncfs", lambda root: pytest.fail("syncfs called"))
     synced: list[int] = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
@@ -93,7 +100,7 @@ def test_a_failed_publish_leaves_no_object_and_no_temporary_file(
     }
     assert len(temp_files(tmp_path)) == 5
 
-    def boom(root: str, paths: Any) -> None:
+    def boom(*args: Any) -> None:
         raise OSError("disk gone")
 
     monkeypatch.setattr("weightvault._vault.store.sync_files", boom)

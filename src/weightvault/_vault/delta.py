@@ -224,7 +224,7 @@ class Encoder:
     def encode(self, digest: str, data: memoryview | bytes) -> memoryview | bytes:
         """What object ``digest``'s file holds: a frame if that pays, else ``data``."""
         raw = memoryview(data).cast("B")
-        if self.cache is not None and digest in self.keep:
+        if self.cache is not None and digest in self.keep and self.takes_deltas:
             self.cache.put(digest, raw)
         if self.codec is None:
             return self._learn(digest, _as_raw(raw), 0, frozenset())
@@ -246,6 +246,12 @@ class Encoder:
         if len(best[0]) <= PAYS * raw.nbytes:
             return self._learn(digest, *best)
         return self._learn(digest, _as_raw(raw), 0, frozenset())
+
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether the next save may take deltas against these objects (else their raw
+        bytes are not worth a copy)."""
+        return self.codec is not None and self.max_chain > 0
 
     def _learn(
         self, digest: str, payload: memoryview | bytes, depth: int, chain: frozenset[str]

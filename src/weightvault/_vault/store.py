@@ -18,8 +18,8 @@ from typing import Any
 from .._base.atomic import (
     atomic_file,
     fsync_dir,
+    sync_dirs,
     sync_files,
-    syncfs,
     write_all,
     write_temp,
 )
@@ -225,16 +225,18 @@ class LocalStore(Store):
         # A crash before the renames leaves temporary files, which gc removes.
         if not staged:
             return
+        own = 0
+        for tmp in staged.values():
+            with contextlib.suppress(OSError):
+                own += os.stat(tmp).st_size
         try:
-            sync_files(self.root, staged.values())
+            sync_files(self.root, staged.values(), own)
             for key, tmp in staged.items():
                 os.replace(tmp, self._path(key))
         except BaseException:
             self.discard(staged)
             raise
-        if not syncfs(self.root):
-            for folder in {os.path.dirname(self._path(k)) for k in staged}:
-                fsync_dir(folder)
+        sync_dirs(self.root, {os.path.dirname(self._path(k)) for k in staged})
 
     def discard(self, staged: Mapping[str, str]) -> None:
         for tmp in staged.values():
