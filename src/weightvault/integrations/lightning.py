@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import PurePath
 from typing import Any
 
@@ -31,7 +32,7 @@ from .._base.errors import DistributedCheckpointError, TrainingStateError
 from .._training import codec as _codec
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file
-from ._ranks import rank, world_size
+from ._ranks import announce, announced, rank, world_size
 
 __all__ = ["VaultCheckpointIO", "checkpoint_name"]
 
@@ -94,10 +95,11 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         Raises:
             UnsupportedStateError: A value has no JSON form (named by its key); nothing is
                 written, so the vault holds no partial checkpoint.
-            DistributedCheckpointError: The save failed on several processes (the storage's
-                error is its ``__cause__``). Lightning runs no code of this plugin on the
-                other ranks, so they stop with torch's connection error when this process
-                exits (``torchrun`` then ends them), never a hang.
+            DistributedCheckpointError: The save failed on a run of several processes (the
+                storage's error is its ``__cause__``). Lightning calls this plugin on rank
+                0 alone, so the other ranks wait in Lightning's barrier until rank 0 exits;
+                then each raises the same error from its broken barrier (see
+                :meth:`teardown`), never a hang.
         """
         name = checkpoint_name(path)
         tensors: dict[str, torch.Tensor] = {}
@@ -109,7 +111,9 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         except Exception as e:
             if world_size() == 1:
                 raise
-            raise _failed_on_rank(e, f"the vault save of {name} into {self.vault.url}") from e
+            error = _failed_on_rank(e, f"the vault save of {name} into {self.vault.url}")
+            announce(error)  # the other ranks cannot hear it in a collective: see teardown
+            raise error from e
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -137,6 +141,20 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         assert isinstance(out, dict)
         return out
 
+    def teardown(self) -> None:
+        """Raise, on a rank whose run broke off, the save failure rank 0 announced.
+
+        Lightning tears down its strategy (and so this plugin) on every rank when the run
+        stops with an error. A rank other than 0 stops with torch's connection error once
+        rank 0, whose save failed, exits; here it raises that save's
+        :class:`~weightvault.DistributedCheckpointError` instead (torch's error is its
+        ``__cause__``), so every rank stops with the same ``Exception``. An error of
+        anything else passes through unchanged.
+        """
+        error = announced(sys.exc_info()[1])  # Lightning calls this inside its `except`
+        if error is not None:
+            raise error from sys.exc_info()[1]
+
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""
         discard(self.vault, checkpoint_name(path))
@@ -146,7 +164,7 @@ def _failed_on_rank(error: Exception, what: str) -> DistributedCheckpointError:
     """The error for ``what`` failing on this rank, the one Lightning saves on."""
     return DistributedCheckpointError(
         f"{what} failed on rank {rank()} of {world_size()}: {type(error).__name__}: {error}; "
-        "the other ranks wait at Lightning's barrier until this process exits, and the "
+        "Lightning saves on this rank alone, so the other ranks stop when it exits, and the "
         "checkpoints committed before stay loadable; fix this error and resume with ckpt_path",
         {rank(): error},
     )
