@@ -78,6 +78,12 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         background: Copy what training changes (trainable weights, buffers, optimizer
             state) at the save step and write in a thread while training continues. The
             next save, and the end of training, wait for it.
+        training_state_last: Keep the weights of every checkpoint but the optimizer,
+            scheduler, RNG and Trainer state of only the newest ``N``: after each save the
+            older ones become weights-only (:meth:`Vault.retain`; like ``save_total_limit``
+            it counts every checkpoint of the vault). They still load with
+            ``vault.load(model, name)``; :func:`checkout` of one raises
+            :class:`~weightvault.TrainingStateError` naming it. ``None`` keeps it all.
 
     Example:
         >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[VaultCallback(vault)])
@@ -86,9 +92,25 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         ['checkpoint-2', 'checkpoint-4', 'checkpoint-6']
     """
 
-    def __init__(self, vault: VaultLike, *, background: bool = False) -> None:
+    def __init__(
+        self,
+        vault: VaultLike,
+        *,
+        background: bool = False,
+        training_state_last: int | None = None,
+    ) -> None:
+        if training_state_last is not None and training_state_last < 1:
+            raise ValueError(
+                f"training_state_last must be at least 1 (None keeps every checkpoint's "
+                f"training state), not {training_state_last!r}"
+            )
         self.vault = as_vault(vault)
         self.background = background
+        self.training_state_last = training_state_last
+        if training_state_last is not None:
+            # As Vault(root, training_state_last=N) does: state stored as a delta on the
+            # previous checkpoint's would keep that dropped state alive as its base.
+            self.vault.storage.training_deltas = False
         self._pending: Any = None
         self._inflight: str | None = None  # a background save's name, on every rank
 
@@ -197,8 +219,9 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         agree(error, f"the background vault save of {name} into {self.vault.url}", _FIX)
 
     def _retain(self, args: TrainingArguments) -> None:
-        if args.save_total_limit:
-            self.vault.retain(keep_last=args.save_total_limit)
+        self.vault.retain(
+            keep_last=args.save_total_limit or None, training_state_last=self.training_state_last
+        )
 
 
 def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Path:
@@ -222,7 +245,8 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
         CheckpointNotFoundError: The vault has no checkpoint ``name``.
         ChecksumError: An object of the checkpoint is damaged (nothing is written).
         TrainingStateError: The checkpoint was not saved by :class:`VaultCallback` (it
-            lacks the Trainer state, the optimizer, the scheduler or the RNG states).
+            lacks the Trainer state, the optimizer, the scheduler or the RNG states), or
+            holds weights only (``training_state_last`` dropped its training state).
 
     Example:
         >>> folder = checkout(vault, "latest", "resume/")
@@ -232,6 +256,12 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
     with as_vault(vault).open(name) as ckpt:
         where = ckpt.path
         state = ckpt.manifest.metadata.get(STATE_KEY)
+        if ckpt.record.weights_only:
+            raise TrainingStateError(
+                f"{where} holds weights only: its optimizer, scheduler, RNG and Trainer state "
+                "were dropped (training_state_last); resume from a newer checkpoint, or load "
+                "its weights with vault.load(model, name)"
+            )
         if state is None or ckpt.manifest.training is None:
             raise TrainingStateError(
                 f"{where} was not saved by VaultCallback: it lacks the Trainer state or the "
