@@ -136,7 +136,8 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             rng=self.rng,
             metadata={EPOCH_KEY: str(epoch), STEP_KEY: str(self._step)},
         )
-        self.vault.retain(keep_last=self.keep, training_state_last=self.training_state_last)
+        if self.keep is not None or self.training_state_last is not None:
+            self.vault.retain(keep_last=self.keep, training_state_last=self.training_state_last)
 
 
 def restore(

@@ -259,9 +259,11 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         agree(error, f"the background vault save of {name} into {self.vault.url}", _FIX)
 
     def _retain(self, args: TrainingArguments) -> None:
-        self.vault.retain(
-            keep_last=args.save_total_limit or None, training_state_last=self.training_state_last
-        )
+        if args.save_total_limit or self.training_state_last is not None:
+            self.vault.retain(
+                keep_last=args.save_total_limit or None,
+                training_state_last=self.training_state_last,
+            )
 
 
 def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Path:
