@@ -6,13 +6,16 @@ needs an accelerator). ``torchrun --nproc_per_node=2 _hf_fsdp_worker.py MODE OUT
 
 - ``run``: trains from ``OUT/init-0`` for 6 steps without the callback, then with
   ``VaultCallback(OUT/vault)`` (saves at steps 2, 4, 6); rank 0 writes both runs' final
-  parameters, gathered (``own.safetensors``, ``vaulted.safetensors``).
+  parameters, gathered (``own.safetensors``, ``vaulted.safetensors``). Last, rank 1's
+  disk fills once ``checkpoint-2`` is in ``OUT/vault-failing``; every rank writes what
+  it raised (``error-<rank>.json``).
 - ``resume``: loads ``OUT/init-7`` (other weights) and resumes from vault checkpoint
   ``NAME`` in a new launch; rank 0 writes ``resumed.safetensors``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -24,8 +27,9 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.distributed import DistributedConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
+import weightvault
 import weightvault.torch as wv
-from _ddp_helpers import rank
+from _ddp_helpers import raised, rank
 from weightvault.integrations.transformers import VaultCallback, resume
 
 STEPS = 6
@@ -62,6 +66,21 @@ def write_params(m: torch.nn.Module, path: Path) -> None:
         wv.save(full, path)
 
 
+def failing(root: Path) -> weightvault.Vault:
+    """A vault whose objects cannot be written on rank 1 once ``checkpoint-2`` is in it."""
+    vault = weightvault.Vault(root)
+    real = vault.store.put
+
+    def put(key: str, data: Any, **kw: Any) -> Any:
+        full = vault.store.exists("checkpoints/checkpoint-2.json")
+        if rank() == 1 and key.startswith("objects/") and full:
+            raise OSError(28, "No space left on device")
+        return real(key, data, **kw)
+
+    vault.store.put = put  # type: ignore[method-assign]
+    return vault
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "run":
@@ -71,6 +90,13 @@ def main() -> None:
         m = model(out / "init-0")
         trainer(m, out / "run", [VaultCallback(out / "vault")], "steps").train()
         write_params(m, out / "vaulted.safetensors")
+        callback = VaultCallback(failing(out / "vault-failing"))
+        error = None
+        try:
+            trainer(model(out / "init-0"), out / "failing", [callback], "steps").train()
+        except Exception as e:  # what a training script catches
+            error = e
+        (out / f"error-{rank()}.json").write_text(json.dumps(raised(error)))
     else:
         m = model(out / "init-7")
         t = trainer(m, out / "again", [VaultCallback(out / "vault")], "steps")

@@ -47,7 +47,8 @@ def _pretrained(folder: Path, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One launch: a 6-step FSDP2 run without the callback, and one with it."""
+    """One launch: a 6-step FSDP2 run without the callback, one with it, and one whose
+    save fails on rank 1."""
     out = tmp_path_factory.mktemp("fsdp")
     _pretrained(out / "init-0", 0)
     _pretrained(out / "init-7", 7)
@@ -75,6 +76,18 @@ def test_an_fsdp2_trainer_saves_each_shard_once_through_dcp(run: Path) -> None:
     final = wv.load_file(vault.open("checkpoint-6"))
     for name, value in wv.load_file(run / "vaulted.safetensors").items():
         assert torch.equal(value, final[name]), name
+    assert vault.verify().ok
+
+
+def test_a_failed_sharded_save_raises_a_weightvault_error_on_every_rank(run: Path) -> None:
+    """Rank 1's disk fills at step 4: both ranks raise DistributedCheckpointError (an
+    Exception naming rank 1's OSError); checkpoint-2 stays and verifies."""
+    for r in (0, 1):
+        raised = json.loads((run / f"error-{r}.json").read_text())
+        assert raised["type"] == "DistributedCheckpointError" and raised["weightvault"], raised
+        assert "No space left" in raised["message"] and list(raised["failures"]) == ["1"]
+    vault = weightvault.Vault(run / "vault-failing")
+    assert [r.name for r in vault.list()] == NAMES[:1]
     assert vault.verify().ok
 
 
