@@ -319,7 +319,8 @@ def test_callback_training_state_last_keeps_weights_and_the_newest_resumes(
     ]  # fmt: skip
     with pytest.raises(TrainingStateError, match="'epoch-0001' holds weights only"):
         restore(vault, fit_model(5), "epoch-0001")
-    assert vault.gc() > 0 and vault.verify().ok
+    # The callback freed what the dropped state held: nothing is left for a gc.
+    assert vault.gc() == 0 and vault.verify().ok
     early = fit_model(5)
     assert restore(vault, early, "epoch-0001", optimizer=False, rng=False) == 1
     again = fit_model(0)

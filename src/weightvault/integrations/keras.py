@@ -25,6 +25,7 @@ from typing import Any
 
 from .._base.errors import TrainingStateError
 from .._vault.vault import VaultLike, as_vault
+from ._common import trim
 
 try:
     import keras
@@ -136,8 +137,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             rng=self.rng,
             metadata={EPOCH_KEY: str(epoch), STEP_KEY: str(self._step)},
         )
-        if self.keep is not None or self.training_state_last is not None:
-            self.vault.retain(keep_last=self.keep, training_state_last=self.training_state_last)
+        trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
 
 
 def restore(

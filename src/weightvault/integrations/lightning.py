@@ -133,6 +133,7 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
             if self.training_state_last is not None:
                 drop_training_except_last(self.vault.store, self.training_state_last, _training)
+                self.vault.gc()  # what the dropped state held: the disk stops growing
         except Exception as e:
             if world_size() == 1:
                 raise

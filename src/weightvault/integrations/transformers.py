@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import discard, not_installed
+from ._common import discard, not_installed, trim
 
 try:
     import torch
@@ -259,11 +259,11 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         agree(error, f"the background vault save of {name} into {self.vault.url}", _FIX)
 
     def _retain(self, args: TrainingArguments) -> None:
-        if args.save_total_limit or self.training_state_last is not None:
-            self.vault.retain(
-                keep_last=args.save_total_limit or None,
-                training_state_last=self.training_state_last,
-            )
+        trim(
+            self.vault,
+            keep_last=args.save_total_limit or None,
+            training_state_last=self.training_state_last,
+        )
 
 
 def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Path:
