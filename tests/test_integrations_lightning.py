@@ -17,6 +17,7 @@ import weightvault.torch as wv
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _lightning_worker as lw
+from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header
 from weightvault.integrations.lightning import TRAINING_KEYS, VaultCheckpointIO, checkpoint_name
 
 WORKER = str(Path(__file__).parent / "_lightning_worker.py")
@@ -198,6 +199,13 @@ def test_training_state_last_keeps_every_weight_and_the_newest_resumable(
         lw.fit(tmp_path / "again-0", vault=vault, ckpt="x/epoch=0-step=4.ckpt")
     # The callback freed what the dropped state held: nothing is left for a gc.
     assert vault.gc() == 0 and vault.verify().ok
+    # The kept optimizer state is stored in full, never as a delta on a dropped one.
+    newest = vault.open("epoch_2-step_12")
+    for stored, digest in newest.objects.items():
+        if stored.startswith("optimizer_states/"):
+            head = (tmp_path / "vault" / "objects" / digest[:2] / digest).read_bytes()[:HEADER_SIZE]
+            if head[:8] == MAGIC:
+                assert parse_frame_header(memoryview(head)).depth == 0, stored
 
     expected = lw.fit(tmp_path / "again-own", ckpt=str(own / "epoch=1-step=8.ckpt"), seed=5)
     got = lw.fit(tmp_path / "again", vault=vault, ckpt="x/epoch=1-step=8.ckpt", seed=5)

@@ -219,3 +219,29 @@ def test_training_state_last_keeps_the_disk_at_one_optimizer_state(tmp_path: Pat
     for p, q in zip(m.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
+
+
+def is_opt(name: str) -> bool:
+    return name.startswith("opt/")
+
+
+def test_a_loops_own_training_names_are_stored_in_full(tmp_path: Path) -> None:
+    """What Lightning's plugin sets: its ``optimizer_states/...`` tensors are training
+    state to the delta coding, so none is a delta on a state retain will drop."""
+    from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header
+
+    vault = Vault(tmp_path / "v")
+    vault.storage.training_deltas = False
+    vault.storage.training = is_opt
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(256, 256) * 0.02, "opt/m": torch.randn(256, 256) * 0.02}
+    vault.save(tensors)
+    for t in tensors.values():
+        t.add_(torch.randn_like(t) * 1e-6)
+    vault.save(tensors)
+    depths = {}
+    ckpt = vault.open("latest")
+    for stored, digest in ckpt.objects.items():
+        head = (tmp_path / "v" / "objects" / digest[:2] / digest).read_bytes()[:HEADER_SIZE]
+        depths[stored] = parse_frame_header(memoryview(head)).depth if head[:8] == MAGIC else 0
+    assert depths == {"w": 1, "opt/m": 0}

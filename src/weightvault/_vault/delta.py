@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .._base.errors import CheckpointNotFoundError, FormatError
+from .._file.layout import is_training
 from .codec import STORED, Codec, compress_block
 from .diff import delta_kind, make_delta
 from .frame import MAX_DEPTH, encode_frame, is_frame
@@ -127,6 +128,10 @@ class Storage:
         training_deltas: Whether training state may be stored as deltas. A vault that
             drops old training state (``training_state_last``) stores it in full, or
             every dropped state would stay as the base of the next one.
+        training: Which stored names are training state, for ``training_deltas``:
+            ``Vault.save``'s own training section by default; a loop that stores its
+            optimizer under names of its own (Lightning's ``optimizer_states/...``) sets
+            a module-level function (the vault pickles with it).
         cache: Raw bytes of the previous save's objects, the next save's delta bases.
         parent: The tensors of this vault's previous save (read from the newest record
             when unknown).
@@ -135,6 +140,7 @@ class Storage:
     codec: Codec | None
     max_chain: int = DELTA_CHAIN
     training_deltas: bool = True
+    training: Callable[[str], bool] = is_training
     cache: BaseCache = field(default_factory=BaseCache)
     parent: Tensors | None = None
 

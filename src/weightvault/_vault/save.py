@@ -20,7 +20,7 @@ from typing import Any
 from .._base.dtypes import ITEMSIZE
 from .._base.errors import CheckpointNotFoundError, FormatError
 from .._file.header import TensorInfo, encode_header
-from .._file.layout import is_training, with_training
+from .._file.layout import with_training
 from .._file.manifest import MANIFEST_KEY
 from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
@@ -103,7 +103,7 @@ def _bases(
         old = parent.get(s.name)
         if old is None or (old[1], old[2]) != (info.dtype, info.shape):
             continue
-        if old[0] != digests[s.name] and (storage.training_deltas or not is_training(s.name)):
+        if old[0] != digests[s.name] and (storage.training_deltas or not storage.training(s.name)):
             out.setdefault(digests[s.name], old[0])
     return out
 
@@ -117,7 +117,7 @@ def _encoder(
 ) -> Encoder:
     """How this save writes its objects: byte planes by dtype, deltas against ``bases``,
     and the raw bytes of possible future bases kept in the vault's cache."""
-    keep = [d for n, d in digests.items() if storage.training_deltas or not is_training(n)]
+    keep = [d for n, d in digests.items() if storage.training_deltas or not storage.training(n)]
     return Encoder(
         store,
         storage.codec,

@@ -29,6 +29,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise not_installed("lightning", "Lightning and PyTorch") from e
 
 from .._base.errors import DistributedCheckpointError, TrainingStateError
+from .._file.layout import is_training
 from .._training import codec as _codec
 from .._vault.checkpoint import VaultCheckpoint
 from .._vault.retain import drop_training_except_last
@@ -104,6 +105,11 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if training_state_last is None:
             training_state_last = self.vault.training_state_last
         self.training_state_last = training_state_last
+        if training_state_last is not None:
+            # Optimizer state stored as a delta on the previous checkpoint's would keep
+            # that dropped state alive as its base: these names are stored in full.
+            self.vault.storage.training_deltas = False
+            self.vault.storage.training = is_lightning_training
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -218,6 +224,12 @@ class _WeightsOnly(dict):  # type: ignore[type-arg]
     def __getitem__(self, key: Any) -> Any:
         self._refuse(key)
         return super().__getitem__(key)
+
+
+def is_lightning_training(name: str) -> bool:
+    """Whether a stored tensor of a VaultCheckpointIO checkpoint is training state (the
+    optimizer's or scheduler's, under :data:`TRAINING_KEYS`), or the vault's own."""
+    return name.split("/", 1)[0] in TRAINING_KEYS or is_training(name)
 
 
 def _training(ckpt: VaultCheckpoint) -> tuple[set[str], dict[str, str]] | None:
