@@ -245,3 +245,21 @@ def test_a_loops_own_training_names_are_stored_in_full(tmp_path: Path) -> None:
         head = (tmp_path / "v" / "objects" / digest[:2] / digest).read_bytes()[:HEADER_SIZE]
         depths[stored] = parse_frame_header(memoryview(head)).depth if head[:8] == MAGIC else 0
     assert depths == {"w": 1, "opt/m": 0}
+
+
+def test_a_paced_gc_is_put_off_only_after_a_slow_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weightvault._vault.vault as vault_module
+
+    vault = Vault(tmp_path / "v")
+    vault.save({"w": torch.ones(4)})
+    runs: list[int] = []
+    monkeypatch.setattr(vault_module, "collect", lambda store: runs.append(1) or 7)
+    assert vault.gc(pace=0.1) == 7 and vault.gc(pace=0.1) == 7  # quick gcs always run
+    assert len(runs) == 2
+    vault._last_gc = (5.0, vault_module.time.monotonic())  # one that took 5 s just ended
+    assert vault.gc(pace=0.1) == 0 and len(runs) == 2  # put off: within 50 s of it
+    assert vault.gc() == 7 and len(runs) == 3  # an explicit gc always runs
+    vault._last_gc = (5.0, vault_module.time.monotonic() - 60)
+    assert vault.gc(pace=0.1) == 7 and len(runs) == 4

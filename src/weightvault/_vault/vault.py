@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,13 @@ from .save import Checksums, Progress, save_sources
 from .store import open_store
 from .verify import VaultVerifyReport, verify_vault
 
-__all__ = ["Vault", "VaultLike", "as_vault"]
+__all__ = ["GC_PACE", "Vault", "VaultLike", "as_vault"]
+
+
+#: The share of a loop's time that freeing after each save may take (see ``Vault.gc``).
+GC_PACE = 0.1
+#: A gc this quick (seconds) is never put off by ``pace``.
+_QUICK_GC = 1.0
 
 
 class Vault:
@@ -117,6 +124,7 @@ class Vault:
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
+        self._last_gc: tuple[float, float] | None = None  # (seconds it took, when it ended)
         if create:
             create_vault(self.store)
         self._found = holds_vault(self.store)
@@ -211,8 +219,9 @@ class Vault:
         ):
             # A run that keeps one resumable checkpoint expects its disk to stay at one
             # optimizer state, as a Trainer's save_total_limit does, not to grow until
-            # someone thinks of gc: a gc here frees what the dropped state alone held.
-            collect(self.store)
+            # someone thinks of gc: a gc here frees what the dropped state alone held,
+            # paced so that it never takes more than a tenth of the run's time.
+            self.gc(pace=GC_PACE)
         return record
 
     def _in_background(
@@ -360,9 +369,15 @@ class Vault:
             drop_training_except_last(self.store, training_state_last)
         return deleted
 
-    def gc(self) -> int:
+    def gc(self, *, pace: float | None = None) -> int:
         """Delete objects no checkpoint or in-flight save references; return the object
         bytes freed (stale bookkeeping files are removed too, uncounted).
+
+        With ``pace`` (a fraction such as 0.1), a gc whose previous run in this ``Vault``
+        took over a second runs only if that was at most ``pace`` of the time since it
+        ended, and otherwise returns 0 at once: a loop that frees after every save then
+        spends at most about that share of its time in gc (which reads every record, so
+        it grows with the vault), and frees what it let go of a few saves later at worst.
 
         gc takes its candidates out of ``objects/`` into its trash, re-reads every intent
         and checkpoint, puts back whatever is now named, and deletes only the rest: a gc
@@ -376,7 +391,14 @@ class Vault:
                 record first.
         """
         self._require()
-        return collect(self.store)
+        now = time.monotonic()
+        if pace is not None and self._last_gc is not None:
+            took, ended = self._last_gc
+            if took > max(_QUICK_GC, pace * (now - ended)):
+                return 0
+        freed = collect(self.store)
+        self._last_gc = (time.monotonic() - now, time.monotonic())
+        return freed
 
     def break_gc_lock(self) -> builtins.list[str]:
         """Remove the markers of gcs that died, after putting their trash back.

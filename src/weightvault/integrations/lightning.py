@@ -33,7 +33,7 @@ from .._file.layout import is_training
 from .._training import codec as _codec
 from .._vault.checkpoint import VaultCheckpoint
 from .._vault.retain import drop_training_except_last
-from .._vault.vault import VaultLike, as_vault
+from .._vault.vault import GC_PACE, VaultLike, as_vault
 from ..torch import load_file as _load_file
 from ._ranks import announce, announced, rank, world_size
 
@@ -139,7 +139,7 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
             if self.training_state_last is not None:
                 drop_training_except_last(self.vault.store, self.training_state_last, _training)
-                self.vault.gc()  # what the dropped state held: the disk stops growing
+                self.vault.gc(pace=GC_PACE)  # the disk stops growing; see Vault.gc
         except Exception as e:
             if world_size() == 1:
                 raise
