@@ -368,13 +368,13 @@ def test_a_background_save_compresses_off_the_calling_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: set[str] = set()
-    real = Encoder.encode
+    real = Encoder.encode_parts
 
     def spy(self: Encoder, digest: str, data: Any) -> Any:
         threads.add(threading.current_thread().name)
         return real(self, digest, data)
 
-    monkeypatch.setattr(Encoder, "encode", spy)
+    monkeypatch.setattr(Encoder, "encode_parts", spy)
     model, opt = trained(1, width=128)
     vault = Vault(tmp_path)
     handle = vault.save(model, optimizer=opt, background=True)

@@ -116,7 +116,7 @@ def test_a_failed_save_removes_what_it_staged(
     vault = Vault(tmp_path / "v")
     vault.save(model())
     calls = {"n": 0}
-    real = delta_module.Encoder.encode
+    real = delta_module.Encoder.encode_parts
 
     def failing(self: Any, digest: str, data: Any) -> Any:
         calls["n"] += 1
@@ -124,7 +124,7 @@ def test_a_failed_save_removes_what_it_staged(
             raise RuntimeError("encoder died")
         return real(self, digest, data)
 
-    monkeypatch.setattr(delta_module.Encoder, "encode", failing)
+    monkeypatch.setattr(delta_module.Encoder, "encode_parts", failing)
     m = model()
     nudge(m)
     with pytest.raises(RuntimeError, match="encoder died"):

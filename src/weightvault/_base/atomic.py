@@ -11,7 +11,7 @@ import ctypes
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -90,7 +90,7 @@ def atomic_file(
         fsync_dir(folder)
 
 
-def write_temp(path: str, data: bytes | memoryview) -> str:
+def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> str:
     """Write ``data`` to a new temporary file beside ``path``, NOT synced; return its name.
 
     The first half of a batched atomic write: many files are written this way, made
@@ -100,7 +100,8 @@ def write_temp(path: str, data: bytes | memoryview) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        write_all(fd, data)
+        for part in [data] if isinstance(data, bytes | memoryview) else data:
+            write_all(fd, part)
         os.fchmod(fd, 0o644 & ~_umask())
     except BaseException:
         os.close(fd)

@@ -174,11 +174,11 @@ def store_missing(
         data = objects[digest][1]()
         if wrote is not None:
             wrote(digest, data)
-        payload = encoder.encode(digest, data)
-        token = store.stage(object_key(digest), payload)
+        parts = encoder.encode_parts(digest, data)
+        token = store.stage(object_key(digest), parts)
         with lock:
             staged[object_key(digest)] = token
-        return memoryview(payload).nbytes
+        return sum(memoryview(p).nbytes for p in parts)
 
     try:
         sizes_written = each(pool, put, missing, written)

@@ -57,6 +57,9 @@ PAYS = 0.95
 CACHE_BYTES = 1 << 30
 
 
+#: An object's file as the parts written one after another.
+Parts = list[bytes | memoryview]
+
 #: What a vault knows of an object it wrote: ``(file bytes, chain depth, bases down its
 #: chain)``. Trusted only while the object's file still has that size.
 Chain = tuple[int, int, frozenset[str]]
@@ -229,29 +232,35 @@ class Encoder:
 
     def encode(self, digest: str, data: memoryview | bytes) -> memoryview | bytes:
         """What object ``digest``'s file holds: a frame if that pays, else ``data``."""
+        parts = self.encode_parts(digest, data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def encode_parts(self, digest: str, data: memoryview | bytes) -> Parts:
+        """:meth:`encode` as the parts to write one after another (a frame's header and
+        blocks), so that the file's bytes are never joined in memory first."""
         raw = memoryview(data).cast("B")
         if self.cache is not None and digest in self.keep and self.takes_deltas:
             self.cache.put(digest, raw)
         if self.codec is None:
-            return self._learn(digest, _as_raw(raw), 0, frozenset())
+            return self._learn(digest, [_as_raw(raw)], 0, frozenset())
         itemsize = self.itemsizes.get(digest, 4)
         delta = self._delta(digest, raw, itemsize)
         small = raw.nbytes < 8 * _SAMPLE
         if delta is not None and not small and not _delta_wins(self.codec, raw, delta[0], itemsize):
             delta = None
-        best: tuple[bytes, int, frozenset[str]] | None = None
+        best: tuple[Parts, int, frozenset[str]] | None = None
         if delta is not None:
             payload, base, kind, depth, chain = delta
             parts = encode_frame(payload, itemsize, self.codec, base=base, kind=kind, depth=depth)
-            best = (b"".join(parts), depth, chain)
+            best = (parts, depth, chain)
         if best is None or small:
             # Small objects try both: it costs little, and a sample could mislead.
-            full = b"".join(encode_frame(raw, itemsize, self.codec))
-            if best is None or len(full) < len(best[0]):
+            full = encode_frame(raw, itemsize, self.codec)
+            if best is None or _size(full) < _size(best[0]):
                 best = (full, 0, frozenset())
-        if len(best[0]) <= PAYS * raw.nbytes:
+        if _size(best[0]) <= PAYS * raw.nbytes:
             return self._learn(digest, *best)
-        return self._learn(digest, _as_raw(raw), 0, frozenset())
+        return self._learn(digest, [_as_raw(raw)], 0, frozenset())
 
     @property
     def takes_deltas(self) -> bool:
@@ -259,12 +268,10 @@ class Encoder:
         bytes are not worth a copy)."""
         return self.codec is not None and self.max_chain > 0
 
-    def _learn(
-        self, digest: str, payload: memoryview | bytes, depth: int, chain: frozenset[str]
-    ) -> memoryview | bytes:
+    def _learn(self, digest: str, parts: Parts, depth: int, chain: frozenset[str]) -> Parts:
         if self.cache is not None and digest in self.keep:
-            self.cache.learn(digest, (memoryview(payload).nbytes, depth, chain))
-        return payload
+            self.cache.learn(digest, (_size(parts), depth, chain))
+        return parts
 
     def _chain(self, base: str, nbytes: int) -> tuple[int, frozenset[str]] | None:
         """``(depth, bases down its chain)`` of object ``base``, or ``None`` if it is not
@@ -330,6 +337,10 @@ def _delta_wins(codec: Codec, raw: memoryview, delta: memoryview, itemsize: int)
     size_full = sum(len(compress_block(codec, raw[a:b], planes)) for a, b in spans)
     size_delta = sum(len(compress_block(codec, delta[a:b], planes)) for a, b in spans)
     return size_delta < size_full
+
+
+def _size(parts: Parts) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 def _as_raw(raw: memoryview) -> memoryview | bytes:

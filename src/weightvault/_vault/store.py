@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,9 @@ from .._base.atomic import (
     write_temp,
 )
 from .._base.errors import BackendNotInstalled
+
+#: A blob's bytes: one buffer, or parts written one after another.
+Payload = bytes | memoryview | Sequence[bytes | memoryview]
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,14 @@ class Store:
     def sync(self, keys: Iterable[str]) -> None:
         """Make the directory entries of ``keys`` durable (local stores only)."""
 
-    def stage(self, key: str, data: bytes | memoryview) -> str:
-        """Begin writing ``data`` at ``key``: :meth:`publish` makes every staged blob
-        durable and visible at once. Returns a token for :meth:`publish`/:meth:`discard`.
+    def stage(self, key: str, data: Payload) -> str:
+        """Begin writing ``data`` (bytes, or parts written one after another) at ``key``:
+        :meth:`publish` makes every staged blob durable and visible at once. Returns a
+        token for :meth:`publish`/:meth:`discard`.
 
         Object stores write the blob now (each PUT is durable and whole on its own).
         """
-        self.put(key, data)
+        self.put(key, data if isinstance(data, bytes | memoryview) else b"".join(data))
         return key
 
     def publish(self, staged: Mapping[str, str]) -> None:
@@ -214,7 +218,7 @@ class LocalStore(Store):
         for folder in {os.path.dirname(self._path(k)) for k in keys}:
             fsync_dir(folder)
 
-    def stage(self, key: str, data: bytes | memoryview) -> str:
+    def stage(self, key: str, data: Payload) -> str:
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return write_temp(path, data)
