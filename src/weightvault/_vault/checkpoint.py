@@ -21,6 +21,7 @@ from .._base.errors import FormatError
 from .._file.checkpoint import checksum_error
 from .codec import BLOCK, codec_pool
 from .dcp_record import KIND, DcpCheckpoint
+from .frame import drop_buffers
 from .objects import (
     DIGEST,
     ObjectCheckpoint,
@@ -249,6 +250,7 @@ class VaultCheckpoint(ObjectCheckpoint):
     def close(self) -> None:
         self._kept.clear()
         self._files.clear()
+        drop_buffers()
 
 
 def keep_budget(checkpoint_bytes: int) -> int:

@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ __all__ = [
     "Frame",
     "decode_into",
     "decode_range",
+    "drop_buffers",
     "encode_frame",
     "is_frame",
     "parse_frame",
@@ -214,6 +216,8 @@ def table_size(head: memoryview) -> int:
 
 #: Reads ``length`` bytes of a frame's file at ``offset`` (a slice, or a ``pread``).
 Read = Callable[[int, int], "bytes | memoryview"]
+#: Fills a buffer from a frame's file at ``offset``, or raises FormatError if it ends first.
+ReadInto = Callable[[int, memoryview], None]
 
 
 def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int) -> None:
@@ -224,7 +228,13 @@ def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int) -> 
 
 
 def decode_range(
-    read: Read, frame: Frame, out: memoryview, start: int, *, parallel: bool = True
+    read: Read,
+    frame: Frame,
+    out: memoryview,
+    start: int,
+    *,
+    parallel: bool = True,
+    read_into: ReadInto | None = None,
 ) -> None:
     """Decode bytes ``[start, start + len(out))`` of ``frame`` into ``out``.
 
@@ -234,7 +244,11 @@ def decode_range(
     (:func:`~.diff.apply_delta`); the range must then start and end on whole items. Only
     the blocks that cover the range are decoded, on all cores for large ranges unless
     ``parallel`` is false; a block that covers its part of the range whole is decoded
-    straight into ``out``, any other into one block-sized buffer of its own.
+    straight into ``out``, any other into one block-sized buffer of its own. With
+    ``read_into`` (a ``preadv`` of the file), compressed blocks are read into a few
+    buffers of one size that the call reuses: reading each into a new ``bytes`` of its
+    own length left the allocator's heaps of every thread holding freed blocks it could
+    not reuse, several MiB of RSS beside a streaming load (docs/benchmarks.md, 10).
 
     Raises:
         FormatError: A block does not decode to its recorded size.
@@ -250,11 +264,23 @@ def decode_range(
     wanted = [i for i in range(first, last) if i * frame.block_size < frame.raw_size]
 
     def one(i: int) -> None:
+        if read_into is None:
+            src: bytes | memoryview = read(offsets[i], frame.lengths[i])
+            if len(src) != frame.lengths[i]:
+                raise FormatError("the object ended inside a block (truncated while read)")
+            _one(i, src)
+            return
+        buffer = _BUFFERS.take(frame.lengths[i])
+        try:
+            with memoryview(buffer)[: frame.lengths[i]] as src:
+                read_into(offsets[i], src)
+                _one(i, src)
+        finally:
+            _BUFFERS.give(buffer)
+
+    def _one(i: int, src: bytes | memoryview) -> None:
         b_start = i * frame.block_size
         length = min(frame.block_size, frame.raw_size - b_start)
-        src = read(offsets[i], frame.lengths[i])
-        if len(src) != frame.lengths[i]:
-            raise FormatError("the object ended inside a block (truncated while read)")
         lo, hi = max(start, b_start), min(end, b_start + length)
         target = out[lo - start : hi - start]
         # ``src`` goes on as it came: bytes from a pread are not copied again to decode.
@@ -273,6 +299,41 @@ def decode_range(
     else:
         for i in wanted:
             one(i)
+
+
+class _Buffers:
+    """Buffers that compressed blocks are read into, shared by every decoding thread.
+
+    All are one size (a block and a little more) unless a larger block comes, so a
+    freed one always fits the next read; :func:`drop_buffers` frees them all.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            for k, b in enumerate(self._free):
+                if len(b) >= n:
+                    return self._free.pop(k)
+        return bytearray(max(n, BLOCK + 1024))
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+    def drop(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_BUFFERS = _Buffers()
+
+
+def drop_buffers() -> None:
+    """Free the buffers decoding keeps for reading compressed blocks (after a load)."""
+    _BUFFERS.drop()
 
 
 def _decompress(frame: Frame, src: bytes | memoryview, out: memoryview) -> None:

@@ -173,6 +173,12 @@ class ObjectFile:
                 raise FormatError("the object ended before its bytes did (truncated)")
             out, offset = out[n:], offset + n
 
+    @property
+    def preadv(self) -> Callable[[int, memoryview], None] | None:
+        """:meth:`read_into` for a local file (reads into a buffer); ``None`` for bytes
+        in memory, which are sliced without a copy."""
+        return self.read_into if self._data is None else None
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -245,10 +251,10 @@ class OpenObject:
         if frame is None:
             base.read_into(start, out)
         else:
-            decode_range(base.read, frame, out, start, parallel=parallel)
+            decode_range(base.read, frame, out, start, parallel=parallel, read_into=base.preadv)
         for _, delta, frame in reversed(self.links[:-1]):
             assert frame is not None
-            decode_range(delta.read, frame, out, start, parallel=parallel)
+            decode_range(delta.read, frame, out, start, parallel=parallel, read_into=delta.preadv)
 
     def close(self) -> None:
         for _, f, _ in self.links:
