@@ -22,6 +22,9 @@ from .tensors import NAMES, read_tensor
 
 #: Threads that copy bytes into parameters during a load (reads release the GIL).
 READERS = min(4, os.cpu_count() or 1)
+#: Smaller tensors are copied on the calling thread: handing them to a reader cost more
+#: than the copy (measured on a 13 MB GPT-2, docs/benchmarks.md section 11).
+_THREADED = 1 << 20
 
 
 def targets(model: nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
@@ -62,7 +65,7 @@ def assign_all(
     with torch.no_grad():
         pending = []
         for a in plan.assignments:
-            if not mmap and a.transform is None:
+            if not mmap and a.transform is None and ckpt.stored[a.stored].nbytes >= _THREADED:
                 # Plain reads release the GIL; several run at once, like copy_ would.
                 pending.append(_readers().submit(_assign_quietly, ckpt, a, tensors))
                 continue

@@ -204,20 +204,25 @@ class VaultCheckpoint(ObjectCheckpoint):
         if not names:
             return
         window = max(min(self.stored[n].nbytes, BLOCK) for n in names)
-        # Each thread's scratch (a window, and a block for a delta) comes out of the budget.
-        workers = max(1, min(os.cpu_count() or 1, len(names), self._keep_left // (4 * window)))
-        self._keep_left -= workers * 2 * window
+        cores = min(os.cpu_count() or 1, len(names))
+        if sum(self.stored[n].nbytes for n in names) <= self._keep_left:
+            workers, scratch = cores, 0  # everything fits: nothing is decoded twice
+        else:
+            # Each thread's scratch (a window, and a block read) comes out of the budget.
+            workers = max(1, min(cores, self._keep_left // (4 * window)))
+            scratch = workers * 2 * window
+        self._keep_left -= scratch
         todo = iter(names)
         bad: list[str] = []
         failed = threading.Event()  # the first error stops the other threads
 
         def worker() -> None:
-            scratch = memoryview(bytearray(window))
+            buffer: list[memoryview] = []  # the scratch, made when first needed
             for name in _locked(todo, self._lock):
                 if failed.is_set():
                     return
                 try:
-                    ok = self._stage_one(name, scratch, verify)
+                    ok = self._stage_one(name, buffer, verify)
                 except BaseException:
                     failed.set()
                     raise
@@ -233,19 +238,21 @@ class VaultCheckpoint(ObjectCheckpoint):
             for f in futures:
                 f.result()
         finally:
-            self._keep_left += workers * 2 * window
+            self._keep_left += scratch
         if bad:
             raise checksum_error(self.path, sorted(bad, key=names.index))
 
-    def _stage_one(self, stored: str, scratch: memoryview, verify: bool) -> bool:
+    def _stage_one(self, stored: str, buffer: list[memoryview], verify: bool) -> bool:
         with self._open(stored) as obj:
-            if obj.raw:
-                return not verify or self._streamed(stored, obj, scratch, verify=True)
-            if stored in self._kept or self._reserve(obj.size):
+            if not obj.raw and (stored in self._kept or self._reserve(obj.size)):
                 if stored not in self._kept:
                     self._kept[stored] = self._decoded(stored, obj, parallel=False)
                 return not verify or self._matches(stored, self._kept[stored])
-            return self._streamed(stored, obj, scratch, verify=verify)
+            if obj.raw and not verify:
+                return True
+            if not buffer or buffer[0].nbytes < obj.window:
+                buffer[:] = [memoryview(bytearray(obj.window))]
+            return self._streamed(stored, obj, buffer[0], verify=verify)
 
     def close(self) -> None:
         self._kept.clear()
