@@ -75,6 +75,7 @@ class VaultCheckpoint(ObjectCheckpoint):
         ):
             raise FormatError(f"{where}: objects do not match the stored tensors")
         self._kept: dict[str, memoryview] = {}
+        self._handles: dict[str, OpenObject] = {}
         self._files: dict[str, bytes] = {}
         self._lock = threading.Lock()
         super().__init__(
@@ -138,7 +139,8 @@ class VaultCheckpoint(ObjectCheckpoint):
         if kept is not None:
             buffer[:] = kept
             return True
-        with self._open(stored) as obj:
+        # The object stage() opened, if it is still open: no second open, stat and parse.
+        with self._handles.pop(stored, None) or self._open(stored) as obj:
             try:
                 obj.decode_into(buffer)
             except FormatError as e:
@@ -243,21 +245,40 @@ class VaultCheckpoint(ObjectCheckpoint):
             raise checksum_error(self.path, sorted(bad, key=names.index))
 
     def _stage_one(self, stored: str, buffer: list[memoryview], verify: bool) -> bool:
-        with self._open(stored) as obj:
+        obj: OpenObject | None = self._open(stored)
+        assert obj is not None
+        try:
             if not obj.raw and (stored in self._kept or self._reserve(obj.size)):
                 if stored not in self._kept:
                     self._kept[stored] = self._decoded(stored, obj, parallel=False)
                 return not verify or self._matches(stored, self._kept[stored])
             if obj.raw and not verify:
-                return True
-            if not buffer or buffer[0].nbytes < obj.window:
-                buffer[:] = [memoryview(bytearray(obj.window))]
-            return self._streamed(stored, obj, buffer[0], verify=verify)
+                ok = True
+            else:
+                if not buffer or buffer[0].nbytes < obj.window:
+                    buffer[:] = [memoryview(bytearray(obj.window))]
+                ok = self._streamed(stored, obj, buffer[0], verify=verify)
+            # read_into() reads it again: kept open for it, up to a number of descriptors.
+            with self._lock:
+                if ok and len(self._handles) < _HANDLES and stored not in self._handles:
+                    self._handles[stored], obj = obj, None
+            return ok
+        finally:
+            if obj is not None:
+                obj.close()
 
     def close(self) -> None:
+        for obj in list(self._handles.values()):
+            obj.close()
+        self._handles.clear()
         self._kept.clear()
         self._files.clear()
         drop_buffers()
+
+
+#: Objects a load keeps open between stage() and read_into(), at most (each holds a
+#: descriptor per link of its chain).
+_HANDLES = 128
 
 
 def keep_budget(checkpoint_bytes: int) -> int:

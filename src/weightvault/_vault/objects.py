@@ -185,6 +185,10 @@ class ObjectFile:
             self._fd = -1
         self._data = None
 
+    def __del__(self) -> None:
+        # A checkpoint dropped without close() must not leak the descriptors it held.
+        self.close()
+
 
 def open_file(store: Store, digest: str, files: Files | None = None) -> ObjectFile:
     """Object ``digest``'s file, opened wherever a gc may hold it (:func:`locations`).
