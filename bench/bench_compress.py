@@ -230,9 +230,12 @@ def main() -> None:
             results["codecs"] = cmd_codecs(root, args.rounds)
             rows = results["codecs"]
             print(table(
-                [[r["tensors"], r["codec"], f"{r['ratio']:.3f}", f"{r['compress_gbs']:.2f}",
-                  f"{r['decompress_gbs']:.2f}"] for r in rows],
-                ["tensors", "codec", "ratio", "compress GB/s", "decompress GB/s"],
+                [[r["tensors"], r["codec"], f"{r['ratio']:.3f}", f"{r['plane_bound']:.3f}",
+                  f"{r['compress_gbs']:.2f}", f"{r['decompress_gbs']:.2f}",
+                  f"{r['compress_gbs_wall']:.2f}", f"{r['decompress_gbs_wall']:.2f}"]
+                 for r in rows],
+                ["tensors", "codec", "ratio", "plane entropy", "compress GB/s (CPU)",
+                 "decompress GB/s (CPU)", "compress (wall)", "decompress (wall)"],
             ), flush=True)  # fmt: skip
         if args.what in ("sizes", "all"):
             chains = [int(k) for k in args.chains.split(",")]

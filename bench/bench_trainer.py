@@ -10,6 +10,7 @@ final parameters are compared bitwise.
 
     .venv/bin/python bench/bench_trainer.py            # GPT-2 small, 6 steps, 3 saves
     .venv/bin/python bench/bench_trainer.py --quick    # a 2-layer GPT-2, for smoke runs
+    .venv/bin/python bench/bench_trainer.py --steps 20 --save-steps 2 --training-state-last 1
 """
 
 from __future__ import annotations
@@ -65,7 +66,13 @@ class TimedCallback(VaultCallback):
 
 
 def run(
-    quick: bool, steps: int, save_steps: int, root: Path, vault: bool, background: bool = False
+    quick: bool,
+    steps: int,
+    save_steps: int,
+    root: Path,
+    vault: bool,
+    background: bool = False,
+    last: int | None = None,
 ) -> dict[str, Any]:
     m = model(quick)
     args = TrainingArguments(
@@ -76,7 +83,8 @@ def run(
     times: list[float] = []
     callbacks = []
     if vault:
-        cb = TimedCallback(weightvault.Vault(root / "vault"), background=background)
+        store = weightvault.Vault(root / "vault", training_state_last=last)
+        cb = TimedCallback(store, background=background)
         cb.times = times
         callbacks.append(cb)
     trainer = Trainer(model=m, args=args, train_dataset=data(steps), callbacks=callbacks)
@@ -106,13 +114,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-steps", type=int, default=2)
+    ap.add_argument(
+        "--training-state-last", type=int, default=None, metavar="N",
+        help="keep the weights of every checkpoint, the full training state of the last N",
+    )  # fmt: skip
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
+    last = a.training_state_last
     root = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     try:
         own = run(a.quick, a.steps, a.save_steps, root / "own", vault=False)
-        ours = run(a.quick, a.steps, a.save_steps, root / "vault", vault=True)
-        bg = run(a.quick, a.steps, a.save_steps, root / "bg", vault=True, background=True)
+        ours = run(a.quick, a.steps, a.save_steps, root / "vault", vault=True, last=last)
+        bg = run(
+            a.quick, a.steps, a.save_steps, root / "bg", vault=True, background=True, last=last
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     same = all(
@@ -128,6 +143,8 @@ def main() -> None:
     for label, r in rows:
         each = " ".join(f"{t:.2f}" for t in r["save_s"])
         print(f"{label:26}{r['disk_bytes'] / 1e6:10.0f}{r['saves']:7}  {each}")
+    print(f"vault / Trainer folders: {ours['disk_bytes'] / own['disk_bytes']:.3f}; "
+          f"training_state_last={last}")  # fmt: skip
     print(f"disk ratio {own['disk_bytes'] / ours['disk_bytes']:.2f}x; final parameters "
           f"bitwise equal: {same}")  # fmt: skip
     if a.json:

@@ -49,4 +49,5 @@ def raised(error: Exception | None) -> dict[str, Any]:
         "weightvault": isinstance(error, weightvault.WeightvaultError),
         "message": str(error),
         "failures": {r: repr(x) for r, x in getattr(error, "failures", {}).items()},
+        "cause": repr(error.__cause__),
     }

@@ -53,7 +53,8 @@ class Tiny(L.LightningModule):
 
 
 def fit(root: Path, *, vault: weightvault.Vault | str | os.PathLike[str] | None = None,
-        ckpt: str | None = None, seed: int = 0) -> Tiny:  # fmt: skip
+        ckpt: str | None = None, seed: int = 0, training_state_last: int | None = None,
+) -> Tiny:  # fmt: skip
     L.seed_everything(seed, verbose=False)
     model = Tiny()
     trainer = L.Trainer(
@@ -61,7 +62,8 @@ def fit(root: Path, *, vault: weightvault.Vault | str | os.PathLike[str] | None 
         deterministic=True, logger=False, enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=str(root / "ckpts"), every_n_epochs=1, save_top_k=-1)],
-        plugins=[VaultCheckpointIO(vault)] if vault is not None else None,
+        plugins=[VaultCheckpointIO(vault, training_state_last=training_state_last)]
+        if vault is not None else None,
     )  # fmt: skip
     trainer.fit(model, ckpt_path=ckpt)
     return model

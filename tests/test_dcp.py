@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -133,6 +134,70 @@ def test_one_plain_process_loads_and_exports(saved: dict[str, Any], tmp_path: Pa
 
     assert vault.verify().ok
     assert vault.gc() == 0  # every chunk, optimizer state included, is referenced
+
+
+def _state(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, st in opt.state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": v for k, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+def test_retain_drops_a_dcp_checkpoints_optimizer_state_and_keeps_its_weights(
+    saved: dict[str, Any], tmp_path: Path
+) -> None:
+    """``retain(training_state_last=1)`` on an FSDP2 vault (per-rank chunk tables): the
+    older checkpoint keeps its weights (load and export bitwise), refuses its optimizer
+    state naming itself, and gc frees the optimizer chunks; the newest resumes bitwise."""
+    from weightvault._vault.objects import object_key
+
+    root = tmp_path / "vault"
+    shutil.copytree(saved["root"], root)
+    vault = Vault(root)
+    with vault.open("s1") as ckpt:
+        optim = {d for label, d in ckpt.objects.items() if label.startswith("optim.")}
+        model_chunks = {d for label, d in ckpt.objects.items() if label.startswith("model.")}
+    with vault.open("s1-next") as ckpt:
+        live = set(ckpt.objects.values())
+    freed = optim - live - model_chunks
+    assert optim and freed
+    before = vault.list()[0]
+
+    assert vault.retain(training_state_last=1) == []
+    assert [r.weights_only for r in vault.list()] == [True, False]
+    after = vault.list()[0]
+    assert after.stored_bytes < before.stored_bytes and after.logical_bytes < before.logical_bytes
+    doc = json.loads((root / "checkpoints" / "s1.json").read_text())
+    kept = [*doc["dcp"]["tensors"], *doc["dcp"]["values"]]
+    assert kept and not [k for k in kept if k.startswith("optim.")]
+
+    want = load_file(saved["oracle"] + ".safetensors")
+    model = W.gpt2(11)
+    vault.load(model, "s1")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+    vault.export("s1", tmp_path / "s1.safetensors")
+    for k, v in load_file(str(tmp_path / "s1.safetensors")).items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+    fresh = W.gpt2(3)
+    with pytest.raises(weightvault.TrainingStateError, match=r"s1\.json holds weights only"):
+        wdcp.load(fresh, root, "s1", optimizer=W.optimizer(fresh))
+    wdcp.load(fresh, root, "s1")  # the weights alone still load through DCP
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+
+    assert vault.gc() > 0
+    assert not [d for d in freed if vault.store.exists(object_key(d))]
+    assert vault.verify().ok
+    # The newest kept its optimizer state: it resumes as from the untouched vault.
+    a, b = W.gpt2(5), W.gpt2(6)
+    opt_a, opt_b = W.optimizer(a), W.optimizer(b)
+    wdcp.load(a, root, "s1-next", optimizer=opt_a)
+    wdcp.load(b, saved["root"], "s1-next", optimizer=opt_b)
+    got, expected = _state(a, opt_a), _state(b, opt_b)
+    assert sorted(got) == sorted(expected) and any(k.startswith("optim.") for k in got)
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
 
 
 def _as_version_1(root: Path, name: str, to: str) -> None:

@@ -278,6 +278,28 @@ def test_finetune_demo_runs_tiny(tmp_path):
     assert re.search(r"^  step   1  loss [\d.]+$", result.stdout, re.MULTILINE)
     assert re.search(r"^done in \d+ s$", result.stdout, re.MULTILINE)
     assert (tmp_path / "v" / "bytes.png").exists()
+    # The bytes saved: the checkpoints' raw bytes (the records) against the vault's files
+    # on disk (walked here; bytes.png is written after the line is printed).
+    m = re.search(SAVED, result.stdout, re.MULTILINE)
+    assert m, result.stdout
+    assert m["n"] == "2"
+    import weightvault
+
+    raw = sum(r.stored_bytes for r in weightvault.Vault(tmp_path / "v").list())
+    files = [p for p in (tmp_path / "v").rglob("*") if p.is_file() and p.name != "bytes.png"]
+    disk = sum(p.stat().st_size for p in files)
+    assert (m["raw"], m["disk"]) == (f"{raw / 2**20:.1f}", f"{disk / 2**20:.1f}")
+    assert m["ratio"] == f"{disk / raw:.2f}" and m["saved"] == f"{(raw - disk) / 2**20:.1f}"
+    # The README shows the same line from the full demo.
+    assert re.search(SAVED, (ROOT / "README.md").read_text(encoding="utf-8"), re.MULTILINE)
+
+
+#: The demo's last word on bytes: raw bytes of all checkpoints against the vault on disk.
+SAVED = (
+    r"^bytes saved: (?P<n>\d+) checkpoints hold (?P<raw>[\d.]+) MiB raw; the vault takes "
+    r"(?P<disk>[\d.]+) MiB on disk \((?P<ratio>[\d.]+)x of raw, [\d.]+x smaller\), "
+    r"(?P<saved>[\d.]+) MiB saved$"
+)
 
 
 def test_blocks_needing_missing_packages_are_skipped_not_failed() -> None:

@@ -1309,3 +1309,20 @@ def test_verify_reports_what_a_reader_should_not_have_raised(
     monkeypatch.setattr(SafetensorsFile, "check", leaky_check)
     report = weightvault.verify(path)
     assert not report.ok and "tensor 'a': unreadable (MemoryError" in report.problems[0]
+
+
+def test_jax_load_file_refuses_a_tiny_file_that_describes_a_gigabyte(tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    import numpy as np
+
+    import weightvault.jax as wvj
+
+    path = _write(tmp_path, _stride0_view(2**28))
+    with pytest.raises(weightvault.FormatError, match=r"would allocate 1073741832 bytes") as e:
+        wvj.load_file(path)
+    assert str(path) in str(e.value) and "max_bytes" in str(e.value)
+    small = _write(tmp_path, _stride0_view(2**20), "small.safetensors")
+    with pytest.raises(weightvault.FormatError, match=r"more than the 1000-byte limit"):
+        wvj.load_file(small, max_bytes=1000)
+    out = wvj.load_file(small, max_bytes=8 << 20)
+    assert out["v"].shape == (2**20,) and bool(np.all(np.asarray(out["v"]) == 1.0))

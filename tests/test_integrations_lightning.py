@@ -17,7 +17,8 @@ import weightvault.torch as wv
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _lightning_worker as lw
-from weightvault.integrations.lightning import VaultCheckpointIO, checkpoint_name
+from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header
+from weightvault.integrations.lightning import TRAINING_KEYS, VaultCheckpointIO, checkpoint_name
 
 WORKER = str(Path(__file__).parent / "_lightning_worker.py")
 
@@ -173,3 +174,48 @@ def test_checkpoint_names_follow_the_file_name() -> None:
     assert checkpoint_name("/x/last.ckpt") == "last"
     assert checkpoint_name("latest.ckpt") == "latest_"
     assert checkpoint_name("a b/my run.ckpt") == "my_run"
+
+
+def test_training_state_last_keeps_every_weight_and_the_newest_resumable(
+    tmp_path: Path,
+) -> None:
+    """``training_state_last=2``: epoch 0 keeps its weights (as Lightning's own file holds
+    them) but resuming fit from it names it; epoch 1 resumes as from Lightning's file."""
+    own = tmp_path / "own" / "ckpts"
+    lw.fit(tmp_path / "own")
+    vault = weightvault.Vault(tmp_path / "vault")
+    lw.fit(tmp_path / "vaulted", vault=vault, training_state_last=2)
+    assert [(r.name, r.weights_only) for r in vault.list()] == [
+        ("epoch_0-step_4", True), ("epoch_1-step_8", False), ("epoch_2-step_12", False)
+    ]  # fmt: skip
+
+    theirs = torch.load(own / "epoch=0-step=4.ckpt", weights_only=True)
+    ours = VaultCheckpointIO(vault).load_checkpoint("epoch=0-step=4.ckpt")
+    assert sorted(ours) == sorted(k for k in theirs if k not in TRAINING_KEYS)
+    assert ours["loops"] == theirs["loops"]
+    for key, value in theirs["state_dict"].items():
+        assert torch.equal(value, ours["state_dict"][key]), key
+    with pytest.raises(weightvault.TrainingStateError, match=r"epoch_0-step_4\.json holds weights"):
+        lw.fit(tmp_path / "again-0", vault=vault, ckpt="x/epoch=0-step=4.ckpt")
+    # The callback freed what the dropped state held: nothing is left for a gc.
+    assert vault.gc() == 0 and vault.verify().ok
+    # The kept optimizer state is stored in full, never as a delta on a dropped one.
+    newest = vault.open("epoch_2-step_12")
+    for stored, digest in newest.objects.items():
+        if stored.startswith("optimizer_states/"):
+            head = (tmp_path / "vault" / "objects" / digest[:2] / digest).read_bytes()[:HEADER_SIZE]
+            if head[:8] == MAGIC:
+                assert parse_frame_header(memoryview(head)).depth == 0, stored
+
+    expected = lw.fit(tmp_path / "again-own", ckpt=str(own / "epoch=1-step=8.ckpt"), seed=5)
+    got = lw.fit(tmp_path / "again", vault=vault, ckpt="x/epoch=1-step=8.ckpt", seed=5)
+    for name, value in lw.params(expected).items():
+        assert torch.equal(value, lw.params(got)[name]), name
+
+    # The vault's own option is the plugin's default; below 1 is refused.
+    assert (
+        VaultCheckpointIO(weightvault.Vault(tmp_path, training_state_last=3)).training_state_last
+        == 3
+    )
+    with pytest.raises(ValueError, match="training_state_last"):
+        VaultCheckpointIO(vault, training_state_last=0)

@@ -69,16 +69,20 @@ def test_a_new_torchrun_resumes_from_the_vault_like_from_lightnings_own_file(run
         _equal(start, {k: saved[k] for k in start})
 
 
-def test_a_failed_save_raises_a_weightvault_error_on_rank_0_and_never_hangs(run: Path) -> None:
-    """Rank 0's disk fills at the second checkpoint: rank 0 raises DistributedCheckpointError
-    (an Exception), rank 1 stops with torch's error as rank 0 exits; the first stays."""
-    raised = json.loads((run / "error-0.json").read_text())
-    assert raised["type"] == "DistributedCheckpointError" and raised["weightvault"], raised
-    assert "epoch_1-step_4" in raised["message"] and "No space left" in raised["message"]
-    assert list(raised["failures"]) == ["0"]
-    # Lightning calls the plugin on rank 0 alone; rank 1 waits at its barrier until rank 0
-    # exits, then raises (an Exception), rather than waiting out the process group timeout.
-    assert json.loads((run / "error-1.json").read_text())["type"] == "RuntimeError"
+def test_a_failed_save_raises_the_same_weightvault_error_on_every_rank(run: Path) -> None:
+    """Rank 0's disk fills at the second checkpoint. Lightning calls the plugin on rank 0
+    alone, and rank 1 waits at Lightning's barrier until rank 0 exits; then both have
+    raised DistributedCheckpointError (an Exception) naming rank 0's failure, never a
+    hang, and the first checkpoint stays loadable."""
+    for r in (0, 1):
+        raised = json.loads((run / f"error-{r}.json").read_text())
+        assert raised["type"] == "DistributedCheckpointError" and raised["weightvault"], raised
+        assert "epoch_1-step_4" in raised["message"] and "No space left" in raised["message"]
+        assert list(raised["failures"]) == ["0"] and "OSError" in raised["failures"]["0"]
+    # Rank 1 stopped on torch's broken barrier, which the weightvault error is raised from.
+    assert "RuntimeError" in json.loads((run / "error-1.json").read_text())["cause"]
     vault = weightvault.Vault(run / "vault-failing")
     assert [r.name for r in vault.list()] == NAMES[:1]
     assert vault.verify().problems == []
+    with vault.open(NAMES[0]) as ckpt:
+        assert wv.load_file(ckpt)  # the earlier checkpoint still loads

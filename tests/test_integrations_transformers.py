@@ -158,6 +158,8 @@ def test_save_total_limit_is_vault_retention_and_background_saves_match(
     hf.trainer(m, tmp_path / "out", [callback], save_total_limit=2).train()
     assert [r.name for r in vault.list()] == ["checkpoint-4", "checkpoint-6"]
     assert not list((tmp_path / "out").glob("checkpoint-*"))
+    # As the Trainer's folder deletion does, the deleted checkpoint's bytes are gone.
+    assert vault.gc() == 0 and vault.verify().ok
     params = hf.params(m)
     for name, value in straight.items():
         assert torch.equal(value, params[name]), name
@@ -184,3 +186,38 @@ def test_the_vault_may_be_given_as_a_path(kind: type, tmp_path: Path) -> None:
     resume(hf.trainer(again, tmp_path / "again", [], max_steps=4), kind(folder), "checkpoint-2")
     for name, value in trained.items():
         assert torch.equal(value, hf.params(again)[name]), name
+
+
+def test_training_state_last_keeps_every_weight_and_the_newest_resumable(
+    straight: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """``training_state_last=2``: checkpoint-2 keeps its weights but not its training state
+    (its checkout names it), and a resume from checkpoint-4 ends bitwise equal."""
+    vault = weightvault.Vault(tmp_path / "vault")
+    m = hf.model(0)
+    hf.trainer(m, tmp_path / "out", [VaultCallback(vault, training_state_last=2)]).train()
+    records = vault.list()
+    assert [(r.name, r.weights_only) for r in records] == [
+        ("checkpoint-2", True), ("checkpoint-4", False), ("checkpoint-6", False)
+    ]  # fmt: skip
+    final = wv.load_file(vault.open("checkpoint-6"))
+    with vault.open("checkpoint-2") as ckpt:
+        early = wv.load_file(ckpt)
+        assert sorted(early) == sorted(final)  # every weight, and only weights
+    with pytest.raises(weightvault.TrainingStateError, match=r"checkpoint-2\.json holds weights"):
+        checkout(vault, "checkpoint-2", tmp_path / "co")
+    assert not (tmp_path / "co").exists()
+    # The callback freed what the dropped state held: nothing is left for a gc.
+    assert vault.gc() == 0 and vault.verify().ok
+    fresh = hf.model(7)
+    vault.load(fresh, "checkpoint-2")  # the weights-only checkpoint still loads
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, early[name]), name
+
+    again = hf.model(7)
+    resume(hf.trainer(again, tmp_path / "again", []), vault, "checkpoint-4")
+    for name, value in straight.items():
+        assert torch.equal(value, hf.params(again)[name]), name
+
+    with pytest.raises(ValueError, match="training_state_last must be at least 1"):
+        VaultCallback(vault, training_state_last=0)

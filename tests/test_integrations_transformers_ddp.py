@@ -102,9 +102,12 @@ def test_rank_rng_states_are_stored_once_each_and_checked_when_read() -> None:
         decode_ranks(json.dumps(doc), "ckpt")
 
 
-def test_a_sharded_model_is_refused_when_training_begins(tmp_path: Path) -> None:
-    """FSDP2 leaves no process holding the model whole: the callback says so at once, on
-    every rank, instead of failing obscurely (or in a collective) at the first save."""
+def test_a_sharded_model_is_saved_by_every_rank_but_not_in_the_background(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 leaves no process holding the model whole: the callback saves it through
+    weightvault.dcp on every rank (tests/test_integrations_transformers_fsdp.py), and says
+    at once, on every rank, that it cannot do so in the background."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import TrainerControl, TrainerState
@@ -114,12 +117,15 @@ def test_a_sharded_model_is_refused_when_training_begins(tmp_path: Path) -> None
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'rv'}")
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        callback = VaultCallback(tmp_path / "vault")
         args = SimpleNamespace()  # not TrainingArguments: it would set up accelerate's state
-        callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+        background = VaultCallback(tmp_path / "vault", background=True)
+        background.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        VaultCallback(tmp_path / "vault").on_train_begin(
+            args, TrainerState(), TrainerControl(), model=model
+        )
         with pytest.raises(weightvault.UnsupportedValueError, match=r"'0\.weight' is a shard"):
-            callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+            background.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "vault").exists()

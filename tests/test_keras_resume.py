@@ -300,3 +300,37 @@ def test_rules_rename_optimizer_state_and_unused_state_is_strict(tmp_path: Path)
     saved = slots_of(opt)["head_kernel_momentum"]
     got = {k: v for k, v in slots_of(opt2).items() if k.endswith("kernel_momentum")}
     assert any(v.tobytes() == saved.tobytes() for v in got.values())
+
+
+def test_callback_training_state_last_keeps_weights_and_the_newest_resumes(
+    tmp_path: Path,
+) -> None:
+    """``training_state_last=1``: the first epoch's checkpoint keeps its weights but not
+    its optimizer state (restoring it names it); the newest resumes bitwise."""
+    straight = fit_model(0)
+    straight.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+
+    vault = Vault(tmp_path / "v")
+    run = fit_model(0)
+    cb = VaultCheckpoint(vault, training_state_last=1)
+    run.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    assert [(r.name, r.weights_only) for r in vault.list()] == [
+        ("epoch-0001", True), ("epoch-0002", False)
+    ]  # fmt: skip
+    with pytest.raises(TrainingStateError, match="'epoch-0001' holds weights only"):
+        restore(vault, fit_model(5), "epoch-0001")
+    # The callback freed what the dropped state held: nothing is left for a gc.
+    assert vault.gc() == 0 and vault.verify().ok
+    early = fit_model(5)
+    assert restore(vault, early, "epoch-0001", optimizer=False, rng=False) == 1
+    again = fit_model(0)
+    again.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert_bitwise(arrays(again.trainable_variables), arrays(early.trainable_variables))
+
+    resumed = fit_model(5)
+    start = restore(vault, resumed, "epoch-0002")
+    resumed.fit(X, Y, batch_size=8, epochs=3, initial_epoch=start, shuffle=False, verbose=0)
+    assert_bitwise(arrays(straight.variables), arrays(resumed.variables))
+    assert_bitwise(slots_of(straight.optimizer), slots_of(resumed.optimizer))
+    with pytest.raises(ValueError, match="training_state_last"):
+        VaultCheckpoint(vault, training_state_last=0)

@@ -258,3 +258,26 @@ def test_the_proposed_rule_counts_the_tied_alias_it_fixes(tmp_path: Path) -> Non
     assert sorted(err.rule_fixes) == sorted(missing)
     assert "partial" not in str(err)
     assert wv.load(target, path, rules=[err.rule]).ok
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_freeze_on_a_wrapped_model_takes_and_returns_the_models_own_names(
+    tmp_path: Path, wrap: str
+) -> None:
+    plain = gpt2()
+    wrapped = WRAPS[wrap](plain)
+    frozen = wv.freeze(wrapped, "transformer.h.0")
+    assert frozen and all(n.startswith("transformer.h.0.") for n in frozen)
+    assert not plain.transformer.h[0].attn.c_attn.weight.requires_grad
+    assert plain.transformer.h[1].attn.c_attn.weight.requires_grad
+    # A pattern written with the wrapper's prefix means the same parameters.
+    again = wv.unfreeze(wrapped, "module.transformer.h.0.*", "_orig_mod.transformer.h.0.*")
+    assert sorted(again) == sorted(frozen)
+    assert plain.transformer.h[0].attn.c_attn.weight.requires_grad
+    # The frozen set a checkpoint records uses the names it stores.
+    wv.freeze(wrapped, "transformer.h.0")
+    wv.save(wrapped, tmp_path / "m.safetensors")
+    fresh = gpt2(seed=1)
+    wv.load(fresh, tmp_path / "m.safetensors", restore_frozen=True)
+    assert not fresh.transformer.h[0].attn.c_attn.weight.requires_grad
+    assert fresh.transformer.h[1].attn.c_attn.weight.requires_grad

@@ -180,18 +180,24 @@ def test_a_failed_object_write_commits_nothing(
 ) -> None:
     vault = Vault(tmp_path)
     vault.save(build(1, width=WIDTH))
-    real_put = vault.store.put
+    real_stage = vault.store.stage
+    staged = []
 
-    def put(key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
-        if key.startswith("objects/"):
+    def stage(key: str, data: bytes | memoryview) -> str:
+        # Objects are staged (written unsynced) and published together: the second fails.
+        if len(staged) == 1:
             raise OSError("disk full")
-        return real_put(key, data, exclusive=exclusive)
+        staged.append(key)
+        return real_stage(key, data)
 
-    monkeypatch.setattr(vault.store, "put", put)
+    monkeypatch.setattr(vault.store, "stage", stage)
     with pytest.raises(OSError, match="disk full"):
         vault.save(build(2, width=WIDTH))
     assert [r.name for r in vault.list()] == ["000001"]
     assert not list((tmp_path / "intents").iterdir())
+    # Nothing staged was published, and no temporary file is left behind.
+    assert not any((tmp_path / key).exists() for key in staged)
+    assert not [p for p in tmp_path.rglob("*.tmp")]
 
 
 def test_a_failing_progress_callback_stops_the_save(tmp_path: Path) -> None:

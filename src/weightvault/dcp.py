@@ -50,14 +50,19 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ._base.errors import DistributedCheckpointError, UnstorableValueError, capped
+from ._base.errors import (
+    DistributedCheckpointError,
+    TrainingStateError,
+    UnstorableValueError,
+    capped,
+)
 from ._dcp.background import async_group, start
 from ._dcp.index import VaultLoadPlanner
 from ._dcp.planner import VaultSavePlanner
 from ._dcp.reader import ReadStats, VaultReader
 from ._dcp.resume import apply_flags, fqn, install_state, optimizer_template
 from ._dcp.writer import VaultWriter
-from ._vault.records import CheckpointRecord, parse_record, read_doc
+from ._vault.records import CheckpointRecord, parse_record, read_doc, record_key
 from ._vault.vault import Vault, VaultLike, as_vault
 
 __all__ = [
@@ -296,6 +301,9 @@ def load(
 
     Raises:
         DistributedCheckpointError: A rank failed to read.
+        TrainingStateError: ``optimizer`` is given, but the checkpoint holds weights only
+            (its optimizer state was dropped by ``retain(training_state_last=)``); raised
+            on every rank before anything is read.
 
     Example:
         >>> model = build_model()                    # every parameter trainable
@@ -307,6 +315,12 @@ def load(
     v = as_vault(vault)
     reader = VaultReader(v, _resolve_on_rank0(v, name))
     metadata = reader.prefetch()
+    if optimizer is not None and reader.weights_only:  # every rank read the same record
+        raise TrainingStateError(
+            f"{v.url}/{record_key(str(reader.resolved))} holds weights only: its optimizer "
+            "state was dropped (training_state_last); load it without optimizer=, or resume "
+            "from a checkpoint that kept its training state (the newest ones)"
+        )
     flags = apply_flags(model, metadata, set(reader.frozen), f"{MODEL}.")
     fresh = optimizer is not None and not optimizer.state
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])

@@ -81,7 +81,7 @@ from ._jax.walk import (
 )
 from ._load import rules as _rules
 from ._load.plan import LoadOptions, LoadPlan, RulesArg, Target, plan_load
-from ._load.steps import by_group, save_file
+from ._load.steps import by_group, save_file, start_reading
 from ._load.transforms import Transforms
 from ._load.values import read_value
 from ._numpy.sources import array_dtype, untrained_checkpoint_sources
@@ -182,7 +182,9 @@ def save(
 # -- loading -------------------------------------------------------------------------------
 
 
-def load_file(path: CheckpointSource, *, verify: bool = False) -> dict[str, jax.Array]:
+def load_file(
+    path: CheckpointSource, *, verify: bool = False, max_bytes: int | None = None
+) -> dict[str, jax.Array]:
     """Read every name in ``path`` as a ``jax.Array`` on the default device.
 
     Aliases come back as one array object; copies and views as arrays of their own.
@@ -191,6 +193,15 @@ def load_file(path: CheckpointSource, *, verify: bool = False) -> dict[str, jax.
         path: A weightvault or plain safetensors file, or any format
             :func:`weightvault.numpy.load_file` reads.
         verify: Check every checksum first.
+        max_bytes: Most bytes the arrays may take (one per alias group, plus the stored
+            tensors views are read from). By default the larger of 256 MiB and 16 times
+            the file's size, so that a tiny hostile file whose copies or stride-0 views
+            describe gigabytes is refused before anything is allocated; raise it for a
+            trusted file that really expands that much.
+
+    Raises:
+        FormatError: The file is not a valid checkpoint, or would exceed ``max_bytes``.
+        ChecksumError: ``verify`` and a tensor's bytes are damaged.
 
     Example:
         >>> arrays = load_file("tied.safetensors")
@@ -198,10 +209,18 @@ def load_file(path: CheckpointSource, *, verify: bool = False) -> dict[str, jax.
         True
     """
     with opened(path) as ckpt:
-        if verify:
-            ckpt.verify()
+        start_reading(ckpt, _grouped_cost(ckpt), "arrays", max_bytes, verify)
         bases: dict[str, memoryview] = {}
         return by_group(ckpt, lambda e: jax.numpy.asarray(read_array(ckpt, e, bases)))
+
+
+def _grouped_cost(ckpt: Checkpoint) -> int:
+    """Bytes :func:`load_file` allocates on the host: one value per alias group, and each
+    stored tensor a view is read from."""
+    entries = [ckpt.entry(n) for n in ckpt.names]
+    groups = {e.group: e.nbytes for e in entries}
+    bases = {e.stored for e in entries if e.view is not None}
+    return sum(groups.values()) + sum(ckpt.stored[s].nbytes for s in bases)
 
 
 def load(

@@ -44,7 +44,7 @@ from ._torch.tensors import (
     entry_tensor,
     stored_tensor,
 )
-from ._torch.wrappers import prefix_rules, unwrap
+from ._torch.wrappers import PREFIXES, prefix_rules, unwrap
 from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
@@ -306,8 +306,11 @@ def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def _select(model: nn.Module, patterns: Iterable[str], verb: str) -> dict[str, nn.Parameter]:
+    # The names a checkpoint stores: those of the model inside torch.compile, DDP and
+    # DataParallel. A pattern written with a wrapper's prefix still means the same names.
+    model = unwrap(model)
     params = _params_by_name(model)
-    pats = list(patterns) or ["*"]
+    pats = [_without_wrapper_prefix(p) for p in patterns] or ["*"]
     chosen: dict[int, nn.Parameter] = {}
     names = list(params)
     for pat in pats:
@@ -319,6 +322,12 @@ def _select(model: nn.Module, patterns: Iterable[str], verb: str) -> dict[str, n
             chosen[id(params[n])] = params[n]
     # Every name of a chosen tensor, so a tie is frozen through all of its names.
     return {n: p for n, p in params.items() if id(p) in chosen}
+
+
+def _without_wrapper_prefix(pattern: str) -> str:
+    while pattern.startswith(PREFIXES):
+        pattern = pattern.split(".", 1)[1]
+    return pattern
 
 
 def freeze(
@@ -333,13 +342,15 @@ def freeze(
     never move it again.
 
     Args:
-        model: The module.
+        model: The module, or a ``torch.compile``, DDP or ``DataParallel`` wrapper of it.
         *patterns: Names or ``*`` patterns (``"encoder.*"``); a bare module name such as
-            ``"encoder"`` means everything under it.
+            ``"encoder"`` means everything under it. Names are the model's own, as a
+            checkpoint stores them (a wrapper's ``module.``/``_orig_mod.`` prefix in a
+            pattern is ignored).
         optimizer: An optimizer that already holds the parameters.
 
     Returns:
-        Every name frozen, aliases included.
+        Every name frozen, aliases included, under the model's own names.
 
     Example:
         >>> freeze(model, "transformer.h.*", "transformer.wte")

@@ -11,8 +11,9 @@ from typing import Any, TextIO
 from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
-from .._vault.records import CheckpointRecord
+from .._vault.records import read_doc
 from .._vault.store import open_store
+from .._vault.usage import vault_usage
 from .._vault.vault import Vault
 from .common import (
     EXIT_OK,
@@ -25,6 +26,7 @@ from .common import (
     tolerance,
 )
 from .describe import describe, show
+from .log import DERIVED, log_doc, notes, summary, times
 from .plot import plot
 
 EPILOG = """\
@@ -82,32 +84,26 @@ def _vault(args: argparse.Namespace) -> Vault:
 
 def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
-    records = vault.list()
+    use = vault_usage(vault.store)
     if args.json:
-        print_json([asdict(r) for r in records], out)
+        print_json(log_doc(use), out)
         return EXIT_OK
-    if not records:
+    if not use.records:
         out.write(f"{args.root}: no checkpoints yet\n")
         return EXIT_OK
-    rows = [["checkpoint", "created", "logical", "new bytes", "metadata"]]
-    for r in records:
+    rows = [["checkpoint", "created", "raw", "new", "on disk", "disk/raw", "metadata"]]
+    for r, c in zip(use.records, use.checkpoints, strict=True):
         meta = " ".join(f"{k}={_short(v)}" for k, v in r.metadata.items())
-        rows.append([r.name, _when(r.created), human(r.logical_bytes), human(r.new_bytes), meta])
+        written = human(c.written_bytes) + ("" if c.recorded else DERIVED)
+        rows.append(
+            [r.name, _when(r.created), human(c.raw_bytes), human(c.new_bytes), written,
+             times(c.ratio) if c.ratio is not None else "-", meta]
+        )  # fmt: skip
     table(rows, out)
-    out.write(f"\n{len(records)} checkpoints; {summary(vault, records)}\n")
+    for mark, note in notes(use.checkpoints):
+        out.write(f"{mark} {note}\n")
+    out.write(f"\n{summary(use)}\n")
     return EXIT_OK
-
-
-def summary(vault: Vault, records: list[CheckpointRecord]) -> str:
-    """Tensor bytes in the vault against the same checkpoints as separate files, and
-    what the vault takes on disk with its records."""
-    separate = sum(r.stored_bytes for r in records)
-    held = sum(b.size for b in vault.store.list("objects"))
-    ratio = f" ({separate / held:.1f}x smaller)" if held and separate > held else ""
-    return (
-        f"tensors {human(held)} in the vault against {human(separate)} as separate files"
-        f"{ratio}; {human(vault.disk_bytes())} on disk with the records"
-    )
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
@@ -115,9 +111,11 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     with vault.open(args.name) as ckpt:
         info, training = describe(ckpt)
         record = ckpt.record
+    # As in log: a record without written_bytes had its objects written raw.
+    raw = "" if "written_bytes" in read_doc(vault.store, record.name) else ", written raw"
     heading = (
         f"{record.name}: created {_when(record.created)}, {len(info.names)} names, "
-        f"new bytes {human(record.new_bytes)}"
+        f"new bytes {human(record.new_bytes)} ({human(record.written_bytes)} on disk{raw})"
     )
     show(info, training, heading, out, as_json=args.json, extra={"record": asdict(record)})
     return EXIT_OK
@@ -187,8 +185,9 @@ def cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
     else:
         out.write(
             f"wrote {drawn.file}: {len(drawn.points)} checkpoints (x axis: {drawn.x}); "
-            f"{human(drawn.vault_bytes)} in the vault against {human(drawn.files_bytes)} "
-            f"as separate files" + (f" ({drawn.ratio:.1f}x smaller)\n" if drawn.ratio > 1 else "\n")
+            f"{human(drawn.files_bytes)} as separate files, {human(drawn.vault_bytes)} in the "
+            f"vault uncompressed, {human(drawn.disk_bytes)} written on disk"
+            + (f" ({drawn.ratio:.1f}x smaller)\n" if drawn.ratio > 1 else "\n")
         )
     return EXIT_OK
 
@@ -211,7 +210,12 @@ def register(sub: Subparsers) -> None:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         return p
 
-    verb("log", cmd_log, "List checkpoints, oldest first, with what each one cost.")
+    verb(
+        "log",
+        cmd_log,
+        "List checkpoints, oldest first, with each one's raw bytes, what its save wrote on "
+        "disk, and the vault's total.",
+    )
     p = verb("show", cmd_show, "List the tensors of one checkpoint (by default the newest).")
     p.add_argument("name", nargs="?", default="latest", help="a checkpoint, or 'latest'")
     p = verb("diff", cmd_diff, "Compare two checkpoints name by name; exit 1 if they differ.")
@@ -236,5 +240,10 @@ def register(sub: Subparsers) -> None:
     )
     p = verb("rm", cmd_rm, "Delete checkpoints (their bytes are freed by the next gc).")
     p.add_argument("names", nargs="+", help="checkpoints to delete ('latest' is refused)")
-    p = verb("plot", cmd_plot, "Draw cumulative bytes on disk: vault versus separate files.")
+    p = verb(
+        "plot",
+        cmd_plot,
+        "Draw bytes on disk, vault versus separate files: cumulative, and per checkpoint "
+        "raw against written.",
+    )
     p.add_argument("-o", "--output", default="vault-bytes.png", help="PNG file to write")

@@ -94,6 +94,8 @@ class VaultReader(StorageReader):
         resolved: The checkpoint this rank reads in the current load.
         stats: :class:`ReadStats` of the last load on this rank.
         frozen: Names the checkpoint records as frozen (after ``read_metadata``).
+        weights_only: The checkpoint's optimizer state was dropped
+            (``retain(training_state_last=)``), after ``read_metadata``.
 
     Example:
         >>> reader = VaultReader("runs/ft")          # "latest", resolved at each load
@@ -110,6 +112,7 @@ class VaultReader(StorageReader):
         self.resolved: str | None = None
         self.stats = ReadStats()
         self.frozen: list[str] = []
+        self.weights_only = False
         self._index: ChunkIndex | None = None
         self._ahead: Metadata | None = None
         self._coordinator = True
@@ -157,6 +160,7 @@ class VaultReader(StorageReader):
         ties = {str(a): str(c) for a, c in dict(section.get("ties", {})).items()}
         self._index = ChunkIndex(self.vault.store, parse_layout(section, where), ties, where)
         self.frozen = [str(f) for f in section.get("frozen", [])]
+        self.weights_only = doc.get("weights_only") is True
         values, mappings = dict(section.get("values", {})), dict(section.get("mappings", {}))
         return self._index.metadata(values, mappings)
 

@@ -3,10 +3,11 @@
 A tensor that changed since the parent checkpoint (the newest one, the same name, dtype
 and shape) is usually close to its old value: the sign, the exponent and the high
 mantissa bits of most elements are unchanged, so ``new XOR old`` is mostly zero bits,
-and it compresses far better than the tensor itself. :class:`Encoder` tries that delta,
-and the plain compressed object when the delta is not clearly better, and keeps the
-smallest of the two and the raw bytes (compression must save at least
-1 - :data:`PAYS` of an object to be kept).
+and it compresses far better than the tensor itself (the delta is a zigzag integer
+difference, see :mod:`.diff`). :class:`Encoder` compresses either the delta or the
+plain object, whichever compresses smaller on a sample of both (small objects try both
+in full), and keeps it unless the raw bytes are nearly as small (compression must save
+at least 1 - :data:`PAYS` of an object to be kept).
 
 Chains stay short: a delta's depth is its base's plus one, and a base at depth
 ``max_chain`` gets a full object instead, so a load reads at most ``max_chain + 1``
@@ -16,17 +17,20 @@ names (see :mod:`.gc`).
 
 The base's raw bytes come from :class:`BaseCache`, which keeps the raw bytes of the
 previous save's objects within a byte budget, or else from the store (its chain decoded).
+The cache also remembers the depth and chain of each object the vault wrote, so a save
+reads no frame header back while the base's file keeps the size it was written with.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .._base.errors import CheckpointNotFoundError, FormatError
-from .codec import STORED, Codec
+from .._file.layout import is_training
+from .codec import STORED, Codec, compress_block
 from .diff import delta_kind, make_delta
 from .frame import MAX_DEPTH, encode_frame, is_frame
 from .objects import object_frame, object_key, read_object
@@ -49,10 +53,13 @@ __all__ = [
 DELTA_CHAIN = 8
 #: A frame is kept only if it is at most this fraction of the raw bytes.
 PAYS = 0.95
-#: A delta this good is kept without also trying the full object.
-_GOOD_DELTA = 0.9
 #: Raw bytes of the previous save's objects a vault keeps as delta bases, at most.
 CACHE_BYTES = 1 << 30
+
+
+#: What a vault knows of an object it wrote: ``(file bytes, chain depth, bases down its
+#: chain)``. Trusted only while the object's file still has that size.
+Chain = tuple[int, int, frozenset[str]]
 
 
 class BaseCache:
@@ -67,6 +74,9 @@ class BaseCache:
         self._items: OrderedDict[str, bytes] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
+        #: ``{digest: (file bytes, depth, bases down its chain)}`` of objects this vault
+        #: wrote, so the next save need not read their frame headers back.
+        self.chains: dict[str, Chain] = {}
 
     def get(self, digest: str) -> bytes | None:
         with self._lock:
@@ -97,6 +107,11 @@ class BaseCache:
         with self._lock:
             for d in [d for d in self._items if d not in digests]:
                 self._size -= len(self._items.pop(d))
+            self.chains = {d: c for d, c in self.chains.items() if d in digests}
+
+    def learn(self, digest: str, chain: Chain) -> None:
+        with self._lock:
+            self.chains[digest] = chain
 
 
 #: A checkpoint's tensors: ``{stored name: (object digest, dtype, shape)}``.
@@ -113,6 +128,10 @@ class Storage:
         training_deltas: Whether training state may be stored as deltas. A vault that
             drops old training state (``training_state_last``) stores it in full, or
             every dropped state would stay as the base of the next one.
+        training: Which stored names are training state, for ``training_deltas``:
+            ``Vault.save``'s own training section by default; a loop that stores its
+            optimizer under names of its own (Lightning's ``optimizer_states/...``) sets
+            a module-level function (the vault pickles with it).
         cache: Raw bytes of the previous save's objects, the next save's delta bases.
         parent: The tensors of this vault's previous save (read from the newest record
             when unknown).
@@ -121,6 +140,7 @@ class Storage:
     codec: Codec | None
     max_chain: int = DELTA_CHAIN
     training_deltas: bool = True
+    training: Callable[[str], bool] = is_training
     cache: BaseCache = field(default_factory=BaseCache)
     parent: Tensors | None = None
 
@@ -210,31 +230,71 @@ class Encoder:
     def encode(self, digest: str, data: memoryview | bytes) -> memoryview | bytes:
         """What object ``digest``'s file holds: a frame if that pays, else ``data``."""
         raw = memoryview(data).cast("B")
-        if self.cache is not None and digest in self.keep:
+        if self.cache is not None and digest in self.keep and self.takes_deltas:
             self.cache.put(digest, raw)
         if self.codec is None:
-            return _as_raw(raw)
+            return self._learn(digest, _as_raw(raw), 0, frozenset())
         itemsize = self.itemsizes.get(digest, 4)
-        best: bytes | None = None
         delta = self._delta(digest, raw, itemsize)
+        small = raw.nbytes < 8 * _SAMPLE
+        if delta is not None and not small and not _delta_wins(self.codec, raw, delta[0], itemsize):
+            delta = None
+        best: tuple[bytes, int, frozenset[str]] | None = None
         if delta is not None:
-            best = delta
-        if best is None or len(best) > _GOOD_DELTA * raw.nbytes:
+            payload, base, kind, depth, chain = delta
+            parts = encode_frame(payload, itemsize, self.codec, base=base, kind=kind, depth=depth)
+            best = (b"".join(parts), depth, chain)
+        if best is None or small:
+            # Small objects try both: it costs little, and a sample could mislead.
             full = b"".join(encode_frame(raw, itemsize, self.codec))
-            best = full if best is None or len(full) < len(best) else best
-        if len(best) <= PAYS * raw.nbytes:
-            return best
-        return _as_raw(raw)
+            if best is None or len(full) < len(best[0]):
+                best = (full, 0, frozenset())
+        if len(best[0]) <= PAYS * raw.nbytes:
+            return self._learn(digest, *best)
+        return self._learn(digest, _as_raw(raw), 0, frozenset())
 
-    def _delta(self, digest: str, raw: memoryview, itemsize: int) -> bytes | None:
-        """The delta frame against the parent's object, or ``None`` if there is none."""
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether the next save may take deltas against these objects (else their raw
+        bytes are not worth a copy)."""
+        return self.codec is not None and self.max_chain > 0
+
+    def _learn(
+        self, digest: str, payload: memoryview | bytes, depth: int, chain: frozenset[str]
+    ) -> memoryview | bytes:
+        if self.cache is not None and digest in self.keep:
+            self.cache.learn(digest, (memoryview(payload).nbytes, depth, chain))
+        return payload
+
+    def _chain(self, base: str, nbytes: int) -> tuple[int, frozenset[str]] | None:
+        """``(depth, bases down its chain)`` of object ``base``, or ``None`` if it is not
+        in ``objects/`` as an object of ``nbytes`` raw bytes.
+
+        What this vault wrote itself is known without reading the frame back, as long as
+        the file still has the size written (a file only changes when another writer
+        stores the same bytes anew, in another form and so another size).
+        """
+        known = self.cache.chains.get(base) if self.cache is not None else None
+        if known is not None and self.store.size(object_key(base)) == known[0]:
+            return known[1], known[2]
+        depth = stored_depth(self.store, base, nbytes)
+        if depth is None:
+            return None
+        return depth, frozenset(chain_digests(self.store, base)) if depth else frozenset()
+
+    def _delta(
+        self, digest: str, raw: memoryview, itemsize: int
+    ) -> tuple[memoryview, str, int, int, frozenset[str]] | None:
+        """``(delta bytes, base, kind, depth, chain)`` against the parent's object, or
+        ``None`` if there is none to take."""
         base = self.bases.get(digest)
         if base is None or self.max_chain <= 0 or self.codec is None:
             return None
-        depth = stored_depth(self.store, base, raw.nbytes)
-        if depth is None or depth >= self.max_chain:
+        found = self._chain(base, raw.nbytes)
+        if found is None or found[0] >= self.max_chain:
             return None  # absent: write in full; at the deepest: a full object restarts
-        if digest in chain_digests(self.store, base):
+        depth, chain = found
+        if digest == base or digest in chain:
             # The tensor went back to an old value that a gc holds in its trash while
             # this save rewrites it: a delta on a chain through itself would be a cycle.
             return None
@@ -248,8 +308,28 @@ class Encoder:
             return None
         kind = delta_kind(itemsize, raw.nbytes)
         payload = memoryview(make_delta(raw, old, kind, itemsize))
-        parts = encode_frame(payload, itemsize, self.codec, base=base, kind=kind, depth=depth + 1)
-        return b"".join(parts)
+        return payload, base, kind, depth + 1, chain | {base}
+
+
+#: Bytes of each sample slice; objects of at least 8 slices choose on a sample (4
+#: slices compressed) rather than compressing both candidates in full (2 x the object).
+_SAMPLE = 16 << 10
+
+
+def _delta_wins(codec: Codec, raw: memoryview, delta: memoryview, itemsize: int) -> bool:
+    """Whether the delta will compress smaller than the object itself.
+
+    Decided on two slices of each (its start and its middle), so that a save compresses
+    each object once: compressing both in full doubled a save's compression work on
+    optimizer moments, whose deltas are about as large as they are. Small objects are
+    try both in full (:meth:`Encoder.encode`).
+    """
+    planes = itemsize if 0 < itemsize < 256 and raw.nbytes % itemsize == 0 else 1
+    mid = (raw.nbytes // 2) // planes * planes
+    spans = [(0, _SAMPLE), (mid, mid + _SAMPLE)]
+    size_full = sum(len(compress_block(codec, raw[a:b], planes)) for a, b in spans)
+    size_delta = sum(len(compress_block(codec, delta[a:b], planes)) for a, b in spans)
+    return size_delta < size_full
 
 
 def _as_raw(raw: memoryview) -> memoryview | bytes:

@@ -55,15 +55,18 @@ def make_delta(raw: memoryview, base: bytes | memoryview, kind: int, itemsize: i
     """The bytes a delta of ``kind`` stores for ``raw`` against ``base`` (same length)."""
     import numpy as np
 
-    out = bytearray(raw)
     if kind == XOR:
+        out = bytearray(raw)
         _xor(memoryview(out), base)
         return out
-    new, old = _words(out, itemsize), _words(base, itemsize)
-    np.subtract(new, old, out=new)  # modulo 2**bits: unsigned arithmetic wraps
+    out = bytearray(raw.nbytes)
+    diff = _words(out, itemsize)
+    # modulo 2**bits: unsigned arithmetic wraps
+    np.subtract(_words(raw, itemsize), _words(base, itemsize), out=diff)
     signed = _words(out, itemsize, signed=True)
-    zig = (signed << 1) ^ (signed >> (8 * itemsize - 1))
-    signed[:] = zig
+    sign = signed >> (8 * itemsize - 1)  # all ones for a negative difference
+    np.left_shift(signed, 1, out=signed)
+    np.bitwise_xor(signed, sign, out=signed)
     return out
 
 

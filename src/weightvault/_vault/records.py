@@ -43,6 +43,7 @@ __all__ = [
     "check_name",
     "data_size",
     "delete_record",
+    "list_docs",
     "list_records",
     "next_name",
     "parse_header_text",
@@ -210,14 +211,21 @@ def read_doc(store: Store, name: str) -> dict[str, Any]:
 
 def list_records(store: Store) -> list[CheckpointRecord]:
     """Every committed checkpoint's record, oldest first."""
-    records = []
+    return [record for record, _ in list_docs(store)]
+
+
+def list_docs(store: Store) -> list[tuple[CheckpointRecord, dict[str, Any]]]:
+    """Every committed checkpoint's record with its JSON document, oldest first: for
+    callers that must tell a field the record holds from one :func:`parse_record`
+    filled in for an older record."""
+    out = []
     for name in record_names(store):
         try:
             doc = read_doc(store, name)
         except CheckpointNotFoundError:
             continue  # deleted while we listed
-        records.append(parse_record(name, doc, f"{store.url}/{record_key(name)}"))
-    return sorted(records, key=lambda r: (r.created, r.name))
+        out.append((parse_record(name, doc, f"{store.url}/{record_key(name)}"), doc))
+    return sorted(out, key=lambda pair: (pair[0].created, pair[0].name))
 
 
 def resolve(store: Store, name: str) -> str:

@@ -10,6 +10,13 @@ and loading training state from it raises :class:`~weightvault.TrainingStateErro
 naming the checkpoint. The dropped objects are freed by the next gc (unless another
 checkpoint or a delta still needs them).
 
+A checkpoint :mod:`weightvault.dcp` committed (kind ``"dcp"``) loses the chunks of every
+tensor outside the model (the optimizer's state) and its non-tensor optimizer values; its
+per-rank chunk tables stay as they are (their entries for the dropped tensors are no
+longer named by the index, so gc frees those chunks). A training loop whose checkpoints
+keep their training state elsewhere than the vault's training section (Lightning's
+``optimizer_states``) passes its own :data:`Split`.
+
 The rewrite is one atomic replace of the record, so a SIGKILL leaves either the old
 record or the new one, both complete.
 
@@ -21,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base.errors import CheckpointNotFoundError
@@ -29,61 +36,127 @@ from .._file.header import TensorInfo, encode_header
 from .._file.layout import is_training
 from .._file.manifest import MANIFEST_KEY, Manifest
 from .checkpoint import VaultCheckpoint
+from .dcp_record import KIND as DCP, DcpCheckpoint
 from .records import list_records, read_doc, record_key
 from .store import Store
 
-__all__ = ["drop_training", "drop_training_except_last", "weights_only_manifest"]
+__all__ = ["Split", "drop_training", "drop_training_except_last", "weights_only_manifest"]
+
+#: What of a plain checkpoint is training state: given the open checkpoint, the stored
+#: names to drop and the metadata to keep instead, or ``None`` when it holds none.
+Split = Callable[[VaultCheckpoint], "tuple[set[str], dict[str, str]] | None"]
 
 
-def weights_only_manifest(m: Manifest) -> Manifest:
-    """``m`` without training state: no training section, no entry naming a training
-    tensor (sums, copies, aliases, views)."""
+def weights_only_manifest(
+    m: Manifest,
+    drop: Callable[[str], bool] = is_training,
+    metadata: Mapping[str, str] | None = None,
+) -> Manifest:
+    """``m`` without training state: no training section, no entry naming a dropped
+    tensor (names, sums, copies, aliases, views), and ``metadata`` if given."""
 
     def keep(*names: str) -> bool:
-        return not any(is_training(n) for n in names)
+        return not any(drop(n) for n in names)
 
     return Manifest(
         aliases={a: t for a, t in m.aliases.items() if keep(a, t)},
         copies={c: t for c, t in m.copies.items() if keep(c, t)},
         views={n: v for n, v in m.views.items() if keep(n, v.base)},
-        frozen=list(m.frozen),
-        names=list(m.names),
+        frozen=[f for f in m.frozen if keep(f)],
+        names=[n for n in m.names if keep(n)],
         sums={n: s for n, s in m.sums.items() if keep(n)},
         checksum=m.checksum,
-        metadata=dict(m.metadata),
+        metadata=dict(m.metadata if metadata is None else metadata),
         version=m.version,
         duplicates={d: t for d, t in m.duplicates.items() if keep(d, t)},
         training=None,
     )
 
 
-def _weights_doc(ckpt: VaultCheckpoint, doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The record ``doc`` without training tensors, offsets laid out again."""
+def _vault_split(ckpt: VaultCheckpoint) -> tuple[set[str], dict[str, str]] | None:
+    """The vault's own training state: its training section and the tensors it names."""
+    if ckpt.manifest.training is None:
+        return None
+    return {n for n in ckpt.stored if is_training(n)}, dict(ckpt.manifest.metadata)
+
+
+def _weights_doc(
+    ckpt: VaultCheckpoint, doc: Mapping[str, Any], dropped: set[str], metadata: dict[str, str]
+) -> dict[str, Any]:
+    """The record ``doc`` without the stored tensors ``dropped``, offsets laid out again."""
     m = ckpt.manifest
-    kept = sorted((i for n, i in ckpt.stored.items() if not is_training(n)), key=lambda i: i.start)
+    gone = {*dropped, *(c for c, t in m.copies.items() if t in dropped)}
+    kept = sorted((i for n, i in ckpt.stored.items() if n not in gone), key=lambda i: i.start)
     infos, position = [], 0
     for i in kept:
         infos.append(TensorInfo(i.name, i.dtype, i.shape, position, position + i.nbytes))
         position += i.nbytes
-    dropped = sum(i.nbytes for n, i in ckpt.stored.items() if is_training(n))
-    dropped += sum(ckpt.stored[t].nbytes for c, t in m.copies.items() if is_training(c))
+    lost = sum(i.nbytes for n, i in ckpt.stored.items() if n in gone)
+    lost += sum(ckpt.stored[t].nbytes for c, t in m.copies.items() if c in gone)
     meta = {"format": ckpt.framework} if ckpt.framework else {}
-    meta[MANIFEST_KEY] = weights_only_manifest(m).encode()
+    manifest = weights_only_manifest(m, gone.__contains__, metadata)
+    meta[MANIFEST_KEY] = manifest.encode()
     out = dict(doc)
     out.update(
         header=encode_header(infos, meta)[8:].decode("utf-8").rstrip(" "),
         objects={i.name: ckpt.objects[i.name] for i in kept},
         stored_bytes=position,
-        logical_bytes=max(0, ckpt.record.logical_bytes - dropped),
+        logical_bytes=max(0, ckpt.record.logical_bytes - lost),
+        metadata=dict(metadata),
+        tensors=len(manifest.names),
         weights_only=True,
     )
     return out
 
 
-def drop_training(store: Store, name: str) -> bool:
+def _dcp_weights_doc(store: Store, name: str, doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The DCP record ``doc`` without what lies outside the model; ``None`` if nothing does.
+
+    Every tensor and value whose name lacks the model's prefix (the optimizer's, under
+    ``optim.``) leaves the index; the model's header, ties and chunk tables stay.
+    """
+    ckpt = DcpCheckpoint(store, name, doc)  # validates, and resolves every chunk
+    section = dict(doc["dcp"])
+    prefix = ckpt.prefix
+    if not prefix:
+        return None  # saved by another planner: nothing tells the model from the rest
+
+    def model(fqn: str) -> bool:
+        return fqn.startswith(prefix)
+
+    tensors, values = dict(section.get("tensors", {})), dict(section.get("values", {}))
+    if all(model(f) for f in [*tensors, *values]):
+        return None
+    section.update(
+        tensors={f: t for f, t in tensors.items() if model(f)},
+        values={f: v for f, v in values.items() if model(f)},
+        mappings={f: v for f, v in dict(section.get("mappings", {})).items() if model(f)},
+        ties={a: c for a, c in dict(section.get("ties", {})).items() if model(a) and model(c)},
+    )
+    ties = section["ties"]
+    chunks = {c.digest: c.nbytes(t.dtype) for f, t in ckpt.tensors.items() if model(f)
+              for c in t.chunks}  # fmt: skip
+    # Logical: every name's bytes, the tied alias included, as the commit counts them.
+    logical = sum(
+        c.nbytes(ckpt.tensors[ties.get(f, f)].dtype)
+        for f in [*section["tensors"], *ties]
+        for c in ckpt.tensors[ties.get(f, f)].chunks
+    )
+    out = dict(doc)
+    out.update(dcp=section, stored_bytes=sum(chunks.values()), logical_bytes=logical)
+    out["weights_only"] = True
+    return out
+
+
+def drop_training(store: Store, name: str, split: Split | None = None) -> bool:
     """Rewrite checkpoint ``name`` without its training state; False if it had none.
 
-    DCP checkpoints (whose optimizer state is chunked by rank) are left as they are.
+    Args:
+        store: The vault's store.
+        name: The checkpoint.
+        split: What of a plain checkpoint is training state (the vault's training section
+            and the tensors it names, by default). DCP checkpoints drop every tensor and
+            value outside the model, whatever ``split`` says.
 
     Raises:
         FormatError: The record is damaged (nothing is changed).
@@ -92,13 +165,22 @@ def drop_training(store: Store, name: str) -> bool:
         doc = read_doc(store, name)
     except CheckpointNotFoundError:
         return False  # deleted meanwhile
-    if doc.get("kind") is not None or doc.get("weights_only") is True:
+    if doc.get("weights_only") is True:
         return False
-    ckpt = VaultCheckpoint(store, name, doc)
-    if ckpt.manifest.training is None:
+    if doc.get("kind") == DCP:
+        new = _dcp_weights_doc(store, name, doc)
+        if new is None:
+            return False
+        DcpCheckpoint(store, name, new)  # the rewritten record must read back
+    elif doc.get("kind") is None:
+        ckpt = VaultCheckpoint(store, name, doc)
+        parts = (split or _vault_split)(ckpt)
+        if parts is None:
+            return False
+        new = _weights_doc(ckpt, doc, *parts)
+        VaultCheckpoint(store, name, new)
+    else:
         return False
-    new = _weights_doc(ckpt, doc)
-    VaultCheckpoint(store, name, new)  # the rewritten record must read back
     key = record_key(name)
     if not store.exists(key):
         return False  # deleted while we read it: do not bring it back
@@ -107,9 +189,9 @@ def drop_training(store: Store, name: str) -> bool:
     return True
 
 
-def drop_training_except_last(store: Store, last: int) -> list[str]:
+def drop_training_except_last(store: Store, last: int, split: Split | None = None) -> list[str]:
     """Drop the training state of every checkpoint but the newest ``last``; return the
-    names rewritten (oldest first)."""
+    names rewritten (oldest first). ``split`` as for :func:`drop_training`."""
     records = list_records(store)
     older = records[: max(0, len(records) - last)]
-    return [r.name for r in older if not r.weights_only and drop_training(store, r.name)]
+    return [r.name for r in older if not r.weights_only and drop_training(store, r.name, split)]

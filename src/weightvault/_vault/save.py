@@ -13,14 +13,14 @@ records, and only new objects (and present ones no recent record names) are read
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._base.dtypes import ITEMSIZE
 from .._base.errors import CheckpointNotFoundError, FormatError
 from .._file.header import TensorInfo, encode_header
-from .._file.layout import is_training, with_training
+from .._file.layout import with_training
 from .._file.manifest import MANIFEST_KEY
 from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
@@ -103,7 +103,7 @@ def _bases(
         old = parent.get(s.name)
         if old is None or (old[1], old[2]) != (info.dtype, info.shape):
             continue
-        if old[0] != digests[s.name] and (storage.training_deltas or not is_training(s.name)):
+        if old[0] != digests[s.name] and (storage.training_deltas or not storage.training(s.name)):
             out.setdefault(digests[s.name], old[0])
     return out
 
@@ -117,7 +117,7 @@ def _encoder(
 ) -> Encoder:
     """How this save writes its objects: byte planes by dtype, deltas against ``bases``,
     and the raw bytes of possible future bases kept in the vault's cache."""
-    keep = [d for n, d in digests.items() if storage.training_deltas or not is_training(n)]
+    keep = [d for n, d in digests.items() if storage.training_deltas or not storage.training(n)]
     return Encoder(
         store,
         storage.codec,
@@ -136,9 +136,15 @@ def _store(
     digests: Mapping[str, str],
     sums: Checksums,
     encoder: Encoder,
+    progress: Progress | None = None,
 ) -> tuple[int, int]:
     """Write the objects the vault lacks and learn every checksum; return the new raw
-    bytes and the bytes their files hold."""
+    bytes and the bytes their files hold.
+
+    A ``progress`` with a ``phase`` method (the bar of ``save(progress=True)``) then
+    counts the raw bytes compressed and written, from zero; a plain callable hears only
+    the hashing.
+    """
     first: dict[str, Stored] = {}
     for s, _ in placed:
         first.setdefault(digests[s.name], s)
@@ -147,12 +153,25 @@ def _store(
         if digest not in sums:
             sums[digest] = checksum(data)  # the bytes just written, read once
 
+    phase = getattr(progress, "phase", None)  # a bar counts the writing from zero
+
+    def writing(missing: Sequence[str]) -> None:
+        if phase is not None:
+            label = str(getattr(progress, "label", "saving")).split(":")[0]
+            phase(f"{label}: writing", sum(first[d].nbytes for d in missing))
+
+    def written(digest: str) -> None:
+        if phase is not None and progress is not None:
+            progress(first[digest].nbytes)
+
     new = store_missing(
         store,
         {d: (s.nbytes, s.data) for d, s in first.items()},
         pool=pool,
         wrote=wrote,
         encoder=encoder,
+        writing=writing,
+        written=written,
     )
     sums.learn(store, first)
     unknown = [d for d in first if d not in sums]
@@ -221,7 +240,7 @@ def save_sources(
     intent = begin(store, [*digests.values(), *bases.values()], gc_wait=gc_wait)
     encoder = _encoder(store, storage, placed, digests, bases)
     try:
-        new_bytes, written = _store(store, pool, placed, digests, sums, encoder)
+        new_bytes, written = _store(store, pool, placed, digests, sums, encoder, progress)
         doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
         doc["written_bytes"] = written
         name = commit_record(store, doc, name)

@@ -11,11 +11,18 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._base.atomic import atomic_file, fsync_dir, write_all
+from .._base.atomic import (
+    atomic_file,
+    fsync_dir,
+    sync_dirs,
+    sync_files,
+    write_all,
+    write_temp,
+)
 from .._base.errors import BackendNotInstalled
 
 
@@ -88,6 +95,21 @@ class Store:
 
     def sync(self, keys: Iterable[str]) -> None:
         """Make the directory entries of ``keys`` durable (local stores only)."""
+
+    def stage(self, key: str, data: bytes | memoryview) -> str:
+        """Begin writing ``data`` at ``key``: :meth:`publish` makes every staged blob
+        durable and visible at once. Returns a token for :meth:`publish`/:meth:`discard`.
+
+        Object stores write the blob now (each PUT is durable and whole on its own).
+        """
+        self.put(key, data)
+        return key
+
+    def publish(self, staged: Mapping[str, str]) -> None:
+        """Make the staged ``{key: token}`` blobs durable and visible under their keys."""
+
+    def discard(self, staged: Mapping[str, str]) -> None:
+        """Drop what :meth:`stage` wrote and was never published (a failed save)."""
 
     def local_path(self, key: str) -> str | None:
         """The file behind ``key`` on a local disk, or ``None`` for remote stores."""
@@ -191,6 +213,35 @@ class LocalStore(Store):
     def sync(self, keys: Iterable[str]) -> None:
         for folder in {os.path.dirname(self._path(k)) for k in keys}:
             fsync_dir(folder)
+
+    def stage(self, key: str, data: bytes | memoryview) -> str:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return write_temp(path, data)
+
+    def publish(self, staged: Mapping[str, str]) -> None:
+        # Data durable first, then the renames: a crash never leaves a final name whose
+        # bytes were not on disk (some filesystems would show it empty or zero-filled).
+        # A crash before the renames leaves temporary files, which gc removes.
+        if not staged:
+            return
+        own = 0
+        for tmp in staged.values():
+            with contextlib.suppress(OSError):
+                own += os.stat(tmp).st_size
+        try:
+            sync_files(self.root, staged.values(), own)
+            for key, tmp in staged.items():
+                os.replace(tmp, self._path(key))
+        except BaseException:
+            self.discard(staged)
+            raise
+        sync_dirs(self.root, {os.path.dirname(self._path(k)) for k in staged})
+
+    def discard(self, staged: Mapping[str, str]) -> None:
+        for tmp in staged.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 class FsspecStore(Store):

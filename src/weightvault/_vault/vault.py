@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._base.background import SaveHandle, SnapshotPool
+from .._base.progress import Progress as Bar
 from .._file.layout import is_training
 from .._file.sharing import Source
 from .._file.writer import check_names
@@ -49,7 +51,13 @@ from .save import Checksums, Progress, save_sources
 from .store import open_store
 from .verify import VaultVerifyReport, verify_vault
 
-__all__ = ["Vault", "VaultLike", "as_vault"]
+__all__ = ["GC_PACE", "Vault", "VaultLike", "as_vault"]
+
+
+#: The share of a loop's time that freeing after each save may take (see ``Vault.gc``).
+GC_PACE = 0.1
+#: A gc this quick (seconds) is never put off by ``pace``.
+_QUICK_GC = 1.0
 
 
 class Vault:
@@ -73,7 +81,8 @@ class Vault:
             deltas off.
         training_state_last: Keep optimizer, scheduler and RNG state only in the newest
             ``N`` checkpoints: each save drops it from older ones, whose weights stay
-            loadable (see :meth:`retain`). ``None`` keeps all of it.
+            loadable (see :meth:`retain`), and runs :meth:`gc` to free what it held.
+            ``None`` keeps all of it.
         **storage_options: Passed to fsspec for remote roots (endpoint, credentials).
 
     Raises:
@@ -115,6 +124,7 @@ class Vault:
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
+        self._last_gc: tuple[float, float] | None = None  # (seconds it took, when it ended)
         if create:
             create_vault(self.store)
         self._found = holds_vault(self.store)
@@ -137,7 +147,7 @@ class Vault:
         name: str | None = None,
         *,
         metadata: Mapping[str, str] | None = None,
-        progress: Progress | None = None,
+        progress: Progress | bool | None = None,
         optimizer: Any = None,
         scheduler: Any = None,
         rng: bool = False,
@@ -155,7 +165,11 @@ class Vault:
                 or a dict of numpy arrays.
             name: The checkpoint's name; by default the next number (``000001``, ...).
             metadata: Your ``str -> str`` metadata.
-            progress: Called with a byte count as tensors are hashed.
+            progress: Called with a byte count as tensors are hashed. ``True`` draws a
+                bar on stderr when it is a terminal (nothing on a pipe or a log): the
+                bytes hashed, then (``saving: writing``) the bytes compressed and
+                written. A callable of yours that also has a ``phase(label, total)``
+                method is told the same way when the writing starts.
             optimizer: Also store the optimizer's state by parameter name (PyTorch) or
                 variable path (Keras).
             scheduler: Also store the LR scheduler's state (PyTorch).
@@ -182,19 +196,32 @@ class Vault:
         sources, training = _sources(adapter, model, optimizer, scheduler, rng, snapshot)
         _check_names(sources, training, metadata, self.url)
 
+        bar = _bar(progress, sources, name)
+
         def work() -> CheckpointRecord:
-            return self._trimmed(save_sources(
-                self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
-                metadata=metadata, progress=progress, sums=self._sums, gc_wait=self.gc_wait,
-                storage=self.storage,
-            ))  # fmt: skip
+            try:
+                return self._trimmed(save_sources(
+                    self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
+                    metadata=metadata, progress=bar, sums=self._sums, gc_wait=self.gc_wait,
+                    storage=self.storage,
+                ))  # fmt: skip
+            finally:
+                if progress is True and isinstance(bar, Bar):  # ours, not the caller's
+                    bar.close()
 
         return self._in_background(work, name) if background else work()
 
     def _trimmed(self, record: CheckpointRecord) -> CheckpointRecord:
-        """``record``, once older checkpoints lost their training state (if asked)."""
-        if self.training_state_last is not None:
-            drop_training_except_last(self.store, self.training_state_last)
+        """``record``, once older checkpoints lost their training state (if asked) and
+        the objects only that state held are freed."""
+        if self.training_state_last is not None and drop_training_except_last(
+            self.store, self.training_state_last
+        ):
+            # A run that keeps one resumable checkpoint expects its disk to stay at one
+            # optimizer state, as a Trainer's save_total_limit does, not to grow until
+            # someone thinks of gc: a gc here frees what the dropped state alone held,
+            # paced so that it never takes more than a tenth of the run's time.
+            self.gc(pace=GC_PACE)
         return record
 
     def _in_background(
@@ -342,9 +369,15 @@ class Vault:
             drop_training_except_last(self.store, training_state_last)
         return deleted
 
-    def gc(self) -> int:
+    def gc(self, *, pace: float | None = None) -> int:
         """Delete objects no checkpoint or in-flight save references; return the object
         bytes freed (stale bookkeeping files are removed too, uncounted).
+
+        With ``pace`` (a fraction such as 0.1), a gc whose previous run in this ``Vault``
+        took over a second runs only if that was at most ``pace`` of the time since it
+        ended, and otherwise returns 0 at once: a loop that frees after every save then
+        spends at most about that share of its time in gc (which reads every record, so
+        it grows with the vault), and frees what it let go of a few saves later at worst.
 
         gc takes its candidates out of ``objects/`` into its trash, re-reads every intent
         and checkpoint, puts back whatever is now named, and deletes only the rest: a gc
@@ -358,7 +391,14 @@ class Vault:
                 record first.
         """
         self._require()
-        return collect(self.store)
+        now = time.monotonic()
+        if pace is not None and self._last_gc is not None:
+            took, ended = self._last_gc
+            if took > max(_QUICK_GC, pace * (now - ended)):
+                return 0
+        freed = collect(self.store)
+        self._last_gc = (time.monotonic() - now, time.monotonic())
+        return freed
 
     def break_gc_lock(self) -> builtins.list[str]:
         """Remove the markers of gcs that died, after putting their trash back.
@@ -412,6 +452,20 @@ def _sources(
         model, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=snapshot
     )
     return sources, training
+
+
+def _bar(
+    progress: Progress | bool | None, sources: Sequence[Source], name: str | None
+) -> Progress | None:
+    """The save's progress hook: the caller's, or for ``True`` a bar sized to the bytes
+    the save hashes (each tensor once, however many names share it)."""
+    if progress is not True:
+        return progress or None
+    sizes = {s.identity: s.nbytes for s in sources}
+    label = f"saving {name}" if name else "saving"
+    # The save reports bytes as it hashes; the pause before the writing phase (bases,
+    # intent, existence checks) shows as "compressing and writing" with its seconds.
+    return Bar(sum(sizes.values()), label, then="compressing and writing")
 
 
 def _check_names(

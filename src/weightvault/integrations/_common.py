@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
-from .._vault.vault import Vault
+from .._vault.vault import GC_PACE, Vault
 
 
 def not_installed(extra: str, needs: str) -> BackendNotInstalled:
@@ -34,3 +34,17 @@ def discard(vault: Vault, name: str) -> None:
     """
     with contextlib.suppress(CheckpointNotFoundError, VaultNotFoundError):
         vault.delete(name)
+
+
+def trim(vault: Vault, *, keep_last: int | None, training_state_last: int | None) -> None:
+    """Apply a loop's retention after a save and free what it let go of.
+
+    A loop's ``save_total_limit`` or ``training_state_last`` promises a disk that stops
+    growing, as the Trainer's own folder deletion gives: :meth:`Vault.retain` only
+    rewrites records, so a :meth:`Vault.gc` follows it, paced to at most a tenth of the
+    loop's time.
+    """
+    if keep_last is None and training_state_last is None:
+        return
+    vault.retain(keep_last=keep_last, training_state_last=training_state_last)
+    vault.gc(pace=GC_PACE)

@@ -25,6 +25,7 @@ from typing import Any
 
 from .._base.errors import TrainingStateError
 from .._vault.vault import VaultLike, as_vault
+from ._common import trim
 
 try:
     import keras
@@ -60,10 +61,16 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         keep: After each save, keep only the last ``keep`` checkpoints of the vault
             (:meth:`~weightvault.Vault.retain`; it applies to every checkpoint of the
             vault, not only this callback's). Run ``vault.gc()`` to free their bytes.
+        training_state_last: Keep the weights of every checkpoint but the optimizer and
+            RNG state of only the newest ``N``: after each save the older ones become
+            weights-only (``vault.retain(training_state_last=N)``, over every checkpoint
+            of the vault). They still load with ``vault.load(model, name)``;
+            :func:`restore` of one raises :class:`~weightvault.TrainingStateError` naming
+            it. ``None`` keeps it all.
 
     Raises:
         ValueError: ``save_freq`` is neither ``"epoch"`` nor a positive integer, or
-            ``keep`` is below 1.
+            ``keep`` or ``training_state_last`` is below 1.
 
     Example:
         >>> model.fit(x, y, epochs=3, callbacks=[VaultCheckpoint(vault, keep=2)])
@@ -79,6 +86,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         *,
         rng: bool = True,
         keep: int | None = None,
+        training_state_last: int | None = None,
     ) -> None:
         super().__init__()
         if save_freq != "epoch" and (
@@ -87,11 +95,21 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             raise ValueError(f"save_freq must be 'epoch' or a positive integer, not {save_freq!r}")
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
+        if training_state_last is not None and training_state_last < 1:
+            raise ValueError(
+                "training_state_last must be at least 1 (or None to keep all), not "
+                f"{training_state_last!r}"
+            )
         self.vault = as_vault(vault)
         self.save_freq = save_freq
         self.save_optimizer = save_optimizer
         self.rng = rng
         self.keep = keep
+        self.training_state_last = training_state_last
+        if training_state_last is not None:
+            # As Vault(root, training_state_last=N) does: state stored as a delta on the
+            # previous checkpoint's would keep that dropped state alive as its base.
+            self.vault.storage.training_deltas = False
         self._epoch = 0
         self._step = 0
 
@@ -119,8 +137,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             rng=self.rng,
             metadata={EPOCH_KEY: str(epoch), STEP_KEY: str(self._step)},
         )
-        if self.keep is not None:
-            self.vault.retain(keep_last=self.keep)
+        trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
 
 
 def restore(
@@ -151,8 +168,10 @@ def restore(
         The number of epochs the checkpoint had completed: ``fit``'s ``initial_epoch``.
 
     Raises:
-        TrainingStateError: ``optimizer`` is set but the model is not compiled, or the
-            checkpoint was not written by :class:`VaultCheckpoint` (no epoch recorded).
+        TrainingStateError: ``optimizer`` is set but the model is not compiled, the
+            checkpoint was not written by :class:`VaultCheckpoint` (no epoch recorded), or
+            ``optimizer`` or ``rng`` is set and the checkpoint holds weights only (its
+            training state was dropped by ``training_state_last``).
         VaultNotFoundError: ``vault`` is a path that holds no vault.
 
     Example:
@@ -167,6 +186,12 @@ def restore(
         raise TrainingStateError(
             f"{vault.url}: checkpoint {resolved!r} records no Keras epoch; it was not "
             "written by VaultCheckpoint. Load it with vault.load(model, name, ...) instead"
+        )
+    if record is not None and record.weights_only and (optimizer or rng):
+        raise TrainingStateError(
+            f"{vault.url}: checkpoint {resolved!r} holds weights only: its optimizer and RNG "
+            "state were dropped (training_state_last); restore a newer checkpoint, or pass "
+            "optimizer=False, rng=False to load its weights alone"
         )
     opt = None
     if optimizer:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import PurePath
 from typing import Any
 
@@ -28,10 +29,13 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise not_installed("lightning", "Lightning and PyTorch") from e
 
 from .._base.errors import DistributedCheckpointError, TrainingStateError
+from .._file.layout import is_training
 from .._training import codec as _codec
-from .._vault.vault import VaultLike, as_vault
+from .._vault.checkpoint import VaultCheckpoint
+from .._vault.retain import drop_training_except_last
+from .._vault.vault import GC_PACE, VaultLike, as_vault
 from ..torch import load_file as _load_file
-from ._ranks import rank, world_size
+from ._ranks import announce, announced, rank, world_size
 
 __all__ = ["VaultCheckpointIO", "checkpoint_name"]
 
@@ -41,6 +45,11 @@ STATE_KEY = "lightning"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 #: A step of the codec's ``where`` (``['state_dict']``, ``[0]``), a folder of a tensor's name.
 _STEP = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+#: What Lightning leaves out of a weights-only checkpoint (``save_weights_only=True``).
+TRAINING_KEYS = ("optimizer_states", "lr_schedulers", "callbacks")
+#: Keys whose absence Lightning reads as "resume is impossible"; asking for them names
+#: the weights-only checkpoint instead.
+_REFUSED = ("optimizer_states", "lr_schedulers")
 #: The one fix the codec suggests for a value without JSON form.
 _HINT = (
     "Keep it out of the Lightning checkpoint (for example save_hyperparameters(ignore=[...])) "
@@ -70,6 +79,14 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
     Args:
         vault: Where checkpoints go: a :class:`~weightvault.Vault`, or its path or URL
             (``"runs/vault"``, ``"s3://bucket/vault"``).
+        training_state_last: Keep the weights of every checkpoint but the training state
+            (optimizer, LR schedulers, callbacks' state) of only the newest ``N``: after
+            each save the older checkpoints of the vault become what Lightning's
+            ``save_weights_only=True`` writes. They load for ``validate``, ``test`` and
+            ``predict``; resuming ``fit`` from one raises
+            :class:`~weightvault.TrainingStateError` naming it. ``None`` takes the vault's
+            own ``training_state_last`` (which by itself sees only the training state
+            ``Vault.save`` records, not Lightning's), and keeps it all when that is unset.
 
     Example:
         >>> trainer = Trainer(max_epochs=3, plugins=[VaultCheckpointIO("runs/vault")],
@@ -78,8 +95,21 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         >>> trainer.fit(model, ckpt_path="checkpoints/epoch=0-step=4.ckpt")  # resumes
     """
 
-    def __init__(self, vault: VaultLike) -> None:
+    def __init__(self, vault: VaultLike, *, training_state_last: int | None = None) -> None:
+        if training_state_last is not None and training_state_last < 1:
+            raise ValueError(
+                "training_state_last must be at least 1 (None keeps every checkpoint's "
+                f"training state), not {training_state_last!r}"
+            )
         self.vault = as_vault(vault)
+        if training_state_last is None:
+            training_state_last = self.vault.training_state_last
+        self.training_state_last = training_state_last
+        if training_state_last is not None:
+            # Optimizer state stored as a delta on the previous checkpoint's would keep
+            # that dropped state alive as its base: these names are stored in full.
+            self.vault.storage.training_deltas = False
+            self.vault.storage.training = is_lightning_training
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -94,10 +124,11 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         Raises:
             UnsupportedStateError: A value has no JSON form (named by its key); nothing is
                 written, so the vault holds no partial checkpoint.
-            DistributedCheckpointError: The save failed on several processes (the storage's
-                error is its ``__cause__``). Lightning runs no code of this plugin on the
-                other ranks, so they stop with torch's connection error when this process
-                exits (``torchrun`` then ends them), never a hang.
+            DistributedCheckpointError: The save failed on a run of several processes (the
+                storage's error is its ``__cause__``). Lightning calls this plugin on rank
+                0 alone, so the other ranks wait in Lightning's barrier until rank 0 exits;
+                then each raises the same error from its broken barrier (see
+                :meth:`teardown`), never a hang.
         """
         name = checkpoint_name(path)
         tensors: dict[str, torch.Tensor] = {}
@@ -106,10 +137,15 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         try:
             discard(self.vault, name)
             self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
+            if self.training_state_last is not None:
+                drop_training_except_last(self.vault.store, self.training_state_last, _training)
+                self.vault.gc(pace=GC_PACE)  # the disk stops growing; see Vault.gc
         except Exception as e:
             if world_size() == 1:
                 raise
-            raise _failed_on_rank(e, f"the vault save of {name} into {self.vault.url}") from e
+            error = _failed_on_rank(e, f"the vault save of {name} into {self.vault.url}")
+            announce(error)  # the other ranks cannot hear it in a collective: see teardown
+            raise error from e
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -119,9 +155,14 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         ``map_location`` may be a device (or its name); other forms leave tensors on the
         CPU. ``weights_only`` changes nothing: nothing here is unpickled.
 
+        A weights-only checkpoint (``training_state_last``) comes back as Lightning's own
+        ``save_weights_only`` checkpoint does, except that asking it for
+        ``optimizer_states`` or ``lr_schedulers`` (as ``fit`` does to resume) raises.
+
         Raises:
             CheckpointNotFoundError: The vault has no checkpoint for ``path``.
             ChecksumError: An object of the checkpoint is damaged.
+            TrainingStateError: (From the returned dict) its training state was dropped.
         """
         with self.vault.open(checkpoint_name(path)) as ckpt:
             text = ckpt.manifest.metadata.get(STATE_KEY)
@@ -135,18 +176,95 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             tensors = {k: v.to(map_location) for k, v in tensors.items()}
         out = _codec.decode(json.loads(text), ckpt.path, tensors=tensors)
         assert isinstance(out, dict)
-        return out
+        return _WeightsOnly(out, ckpt.path) if ckpt.record.weights_only else out
+
+    def teardown(self) -> None:
+        """Raise, on a rank whose run broke off, the save failure rank 0 announced.
+
+        Lightning tears down its strategy (and so this plugin) on every rank when the run
+        stops with an error. A rank other than 0 stops with torch's connection error once
+        rank 0, whose save failed, exits; here it raises that save's
+        :class:`~weightvault.DistributedCheckpointError` instead (torch's error is its
+        ``__cause__``), so every rank stops with the same ``Exception``. An error of
+        anything else passes through unchanged.
+        """
+        error = announced(sys.exc_info()[1])  # Lightning calls this inside its `except`
+        if error is not None:
+            raise error from sys.exc_info()[1]
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""
         discard(self.vault, checkpoint_name(path))
 
 
+class _WeightsOnly(dict):  # type: ignore[type-arg]
+    """A weights-only checkpoint's dict: asking it for training state names the checkpoint.
+
+    Lightning tells a checkpoint it cannot resume from by ``"optimizer_states" not in
+    checkpoint`` (and raises a ``KeyError`` that blames ``save_weights_only``); here that
+    question raises the error that names the vault checkpoint and why.
+    """
+
+    def __init__(self, doc: dict[str, Any], where: str) -> None:
+        super().__init__(doc)
+        self.where = where
+
+    def _refuse(self, key: object) -> None:
+        if key in _REFUSED:
+            raise TrainingStateError(
+                f"{self.where} holds weights only: its {key} and the rest of its training "
+                "state were dropped (training_state_last); resume fit from a newer "
+                "checkpoint, or use this one for validate, test or predict"
+            )
+
+    def __contains__(self, key: object) -> bool:
+        self._refuse(key)
+        return super().__contains__(key)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._refuse(key)
+        return super().__getitem__(key)
+
+
+def is_lightning_training(name: str) -> bool:
+    """Whether a stored tensor of a VaultCheckpointIO checkpoint is training state (the
+    optimizer's or scheduler's, under :data:`TRAINING_KEYS`), or the vault's own."""
+    return name.split("/", 1)[0] in TRAINING_KEYS or is_training(name)
+
+
+def _training(ckpt: VaultCheckpoint) -> tuple[set[str], dict[str, str]] | None:
+    """What of a VaultCheckpointIO checkpoint is training state (a retain ``Split``): the
+    tensors under :data:`TRAINING_KEYS`, and the metadata without those keys."""
+    text = ckpt.manifest.metadata.get(STATE_KEY)
+    doc = None if text is None else json.loads(text)
+    if not isinstance(doc, dict) or not any(k in doc for k in TRAINING_KEYS):
+        return None  # not Lightning's, or keys that read as tags: leave it whole
+    names: set[str] = set()
+    for key in TRAINING_KEYS:
+        _tensor_names(doc.pop(key, None), names)
+    metadata = dict(ckpt.manifest.metadata)
+    metadata[STATE_KEY] = json.dumps(doc, allow_nan=False)
+    return names, metadata
+
+
+def _tensor_names(doc: Any, out: set[str]) -> None:
+    """Every tensor an encoded value names (``{"$tensor": name}``), into ``out``."""
+    if isinstance(doc, dict):
+        if set(doc) == {"$tensor"} and isinstance(doc["$tensor"], str):
+            out.add(doc["$tensor"])
+            return
+        for value in doc.values():
+            _tensor_names(value, out)
+    elif isinstance(doc, list):
+        for value in doc:
+            _tensor_names(value, out)
+
+
 def _failed_on_rank(error: Exception, what: str) -> DistributedCheckpointError:
     """The error for ``what`` failing on this rank, the one Lightning saves on."""
     return DistributedCheckpointError(
         f"{what} failed on rank {rank()} of {world_size()}: {type(error).__name__}: {error}; "
-        "the other ranks wait at Lightning's barrier until this process exits, and the "
+        "Lightning saves on this rank alone, so the other ranks stop when it exits, and the "
         "checkpoints committed before stay loadable; fix this error and resume with ckpt_path",
         {rank(): error},
     )

@@ -14,7 +14,9 @@ To resume, :func:`checkout` writes a folder in the Trainer's own layout, which
 ``trainer.train(resume_from_checkpoint=folder)`` reads; :func:`resume` does both in one call.
 
 Under ``torchrun`` (DDP) nothing changes in the script: the main process writes each
-checkpoint once, with every rank's RNG states, and a failed save raises on every rank.
+checkpoint once, with every rank's RNG states, and a failed save raises on every rank. A
+model transformers shards as it loads it (FSDP2, ``distributed_config=``) is saved
+through :mod:`weightvault.dcp` on every rank instead, and :func:`resume` resumes it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import discard, not_installed
+from ._common import discard, not_installed, trim
 
 try:
     import torch
@@ -39,10 +41,12 @@ from .._base.errors import TrainingStateError, UnsupportedValueError
 from .._file.checkpoint import Checkpoint
 from .._torch.tensors import stored_tensor
 from .._training import codec as _codec
+from .._vault.dcp_record import DcpCheckpoint
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
 from ._rank_rng import RANKS_KEY, decode_ranks, encode_ranks, rank_rng
-from ._ranks import agree, gather, sharded_parameter, world_size
+from ._ranks import agree, gather, rank, sharded_parameter, world_size
+from ._sharded_trainer import resume_sharded, save_sharded, unwrap
 
 __all__ = ["VaultCallback", "checkout", "resume"]
 
@@ -50,12 +54,6 @@ __all__ = ["VaultCallback", "checkout", "resume"]
 STATE_KEY = "trainer_state"
 
 _FIX = "fix that rank's error and resume the run from the vault's 'latest' checkpoint"
-
-
-def _unwrap(obj: Any, attr: str) -> Any:
-    """The torch optimizer or scheduler inside accelerate's wrapper (which delegates)."""
-    inner = getattr(obj, attr, None)
-    return inner if type(obj).__name__.startswith("Accelerated") and inner is not None else obj
 
 
 class VaultCallback(TrainerCallback):  # type: ignore[misc]
@@ -69,8 +67,11 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
 
     On several processes (DDP under ``torchrun``) every rank skips the Trainer's own save,
     the main process writes, and the ranks then agree: a save that failed raises
-    :class:`~weightvault.DistributedCheckpointError` on every rank, never a hang. A
-    sharded model (FSDP) is refused when training begins; see docs/integrations.md.
+    :class:`~weightvault.DistributedCheckpointError` on every rank, never a hang. A model
+    whose parameters are DTensors (FSDP2 from ``from_pretrained(...,
+    distributed_config=DistributedConfig(fsdp_size=N))``) is saved with
+    :func:`weightvault.dcp.save` on every rank: each shard once, by the rank holding it.
+    An FSDP1-wrapped model is refused when training begins; see docs/integrations.md.
 
     Args:
         vault: Where checkpoints go: a :class:`~weightvault.Vault`, or its path or URL
@@ -78,6 +79,12 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         background: Copy what training changes (trainable weights, buffers, optimizer
             state) at the save step and write in a thread while training continues. The
             next save, and the end of training, wait for it.
+        training_state_last: Keep the weights of every checkpoint but the optimizer,
+            scheduler, RNG and Trainer state of only the newest ``N``: after each save the
+            older ones become weights-only (:meth:`Vault.retain`; like ``save_total_limit``
+            it counts every checkpoint of the vault). They still load with
+            ``vault.load(model, name)``; :func:`checkout` of one raises
+            :class:`~weightvault.TrainingStateError` naming it. ``None`` keeps it all.
 
     Example:
         >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[VaultCallback(vault)])
@@ -86,11 +93,28 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         ['checkpoint-2', 'checkpoint-4', 'checkpoint-6']
     """
 
-    def __init__(self, vault: VaultLike, *, background: bool = False) -> None:
+    def __init__(
+        self,
+        vault: VaultLike,
+        *,
+        background: bool = False,
+        training_state_last: int | None = None,
+    ) -> None:
+        if training_state_last is not None and training_state_last < 1:
+            raise ValueError(
+                f"training_state_last must be at least 1 (None keeps every checkpoint's "
+                f"training state), not {training_state_last!r}"
+            )
         self.vault = as_vault(vault)
         self.background = background
+        self.training_state_last = training_state_last
+        if training_state_last is not None:
+            # As Vault(root, training_state_last=N) does: state stored as a delta on the
+            # previous checkpoint's would keep that dropped state alive as its base.
+            self.vault.storage.training_deltas = False
         self._pending: Any = None
         self._inflight: str | None = None  # a background save's name, on every rank
+        self._sharded = False  # the model is DTensors: every rank saves its shards
 
     def on_step_end(
         self,
@@ -113,6 +137,9 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         self._settle(args)
         name = f"checkpoint-{state.global_step}"
         ranks = gather(rank_rng()) if world_size() > 1 else None  # collective: all ranks
+        if self._sharded:
+            self._write_sharded(args, state, name, ranks, kwargs)
+            return control
         error = None
         if args.should_save:  # the Trainer's own rule: the main process writes
             try:
@@ -130,14 +157,23 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        # Every rank holds the same kind of model, so every rank refuses alike, at once.
-        sharded = sharded_parameter(kwargs["model"])
-        if sharded is not None:
+        # Every rank holds the same kind of model, so every rank decides alike, at once.
+        model = kwargs["model"]
+        sharded = sharded_parameter(model)
+        self._sharded = sharded is not None and _dtensors(model)
+        if sharded is not None and not self._sharded:
             raise UnsupportedValueError(
-                "VaultCallback saves a model that the main process holds whole (one process, "
-                "or DDP), but this Trainer shards it (FSDP, tensor parallelism): parameter "
-                f"{sharded!r} is a shard; train with DDP, or checkpoint the sharded model with "
-                "weightvault.dcp.save, called on every rank"
+                "VaultCallback saves a sharded model through weightvault.dcp when its "
+                "parameters are DTensors (FSDP2, tensor parallelism), but this Trainer wraps it "
+                f"in FSDP1: parameter {sharded!r} is a flat shard; shard with FSDP2 "
+                "(from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N))), "
+                "or train with DDP"
+            )
+        if self._sharded and self.background:
+            raise UnsupportedValueError(
+                f"VaultCallback(background=True) cannot save a sharded model: parameter "
+                f"{sharded!r} is a shard, saved by every rank through weightvault.dcp; use "
+                "background=False"
             )
 
     def on_train_end(
@@ -170,8 +206,8 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         result = self.vault.save(
             kwargs["model"],
             name,
-            optimizer=_unwrap(kwargs.get("optimizer"), "optimizer"),
-            scheduler=_unwrap(kwargs.get("lr_scheduler"), "scheduler"),
+            optimizer=unwrap(kwargs.get("optimizer"), "optimizer"),
+            scheduler=unwrap(kwargs.get("lr_scheduler"), "scheduler"),
             rng=True,
             background=self.background,
             metadata=metadata,
@@ -180,6 +216,32 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
             self._pending = result
         else:
             self._retain(args)
+
+    def _write_sharded(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        name: str,
+        ranks: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Store the checkpoint of a sharded model (every rank, collective)."""
+        metadata = {
+            STATE_KEY: json.dumps(dataclasses.asdict(state), sort_keys=True),
+            "global_step": str(state.global_step),
+            RANKS_KEY: encode_ranks(ranks or [rank_rng()]),
+        }
+        save_sharded(
+            self.vault, name, kwargs["model"], unwrap(kwargs.get("optimizer"), "optimizer"),
+            unwrap(kwargs.get("lr_scheduler"), "scheduler"), metadata, _FIX,
+        )  # fmt: skip
+        error = None
+        if rank() == 0:
+            try:
+                self._retain(args)
+            except Exception as e:
+                error = e
+        agree(error, f"the retention after {name} in {self.vault.url}", _FIX)
 
     def _settle(self, args: TrainingArguments) -> None:
         """Wait for the background save; collective, as the save's own :func:`agree` is."""
@@ -197,8 +259,11 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         agree(error, f"the background vault save of {name} into {self.vault.url}", _FIX)
 
     def _retain(self, args: TrainingArguments) -> None:
-        if args.save_total_limit:
-            self.vault.retain(keep_last=args.save_total_limit)
+        trim(
+            self.vault,
+            keep_last=args.save_total_limit or None,
+            training_state_last=self.training_state_last,
+        )
 
 
 def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Path:
@@ -222,7 +287,9 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
         CheckpointNotFoundError: The vault has no checkpoint ``name``.
         ChecksumError: An object of the checkpoint is damaged (nothing is written).
         TrainingStateError: The checkpoint was not saved by :class:`VaultCallback` (it
-            lacks the Trainer state, the optimizer, the scheduler or the RNG states).
+            lacks the Trainer state, the optimizer, the scheduler or the RNG states), holds
+            weights only (``training_state_last`` dropped its training state), or is a
+            sharded model's (use :func:`resume` under ``torchrun``).
 
     Example:
         >>> folder = checkout(vault, "latest", "resume/")
@@ -231,7 +298,20 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
     out = Path(folder)
     with as_vault(vault).open(name) as ckpt:
         where = ckpt.path
+        if isinstance(ckpt, DcpCheckpoint):
+            raise TrainingStateError(
+                f"{where} is a sharded model's checkpoint (weightvault.dcp): its optimizer "
+                "state is kept by shard, not as a folder the Trainer reads; resume it with "
+                "resume(trainer, vault, name) on every rank, or load its weights alone with "
+                "vault.load(model, name)"
+            )
         state = ckpt.manifest.metadata.get(STATE_KEY)
+        if ckpt.record.weights_only:
+            raise TrainingStateError(
+                f"{where} holds weights only: its optimizer, scheduler, RNG and Trainer state "
+                "were dropped (training_state_last); resume from a newer checkpoint, or load "
+                "its weights with vault.load(model, name)"
+            )
         if state is None or ckpt.manifest.training is None:
             raise TrainingStateError(
                 f"{where} was not saved by VaultCallback: it lacks the Trainer state or the "
@@ -262,7 +342,9 @@ def resume(trainer: Any, vault: VaultLike, name: str = "latest", **train_kwargs:
     Checks the checkpoint out into a temporary folder (removed afterwards) and calls
     ``trainer.train(resume_from_checkpoint=...)``. ``vault`` may be a path or URL. Under
     ``torchrun`` every rank calls it: each checks out its own folder (ranks need not share
-    a file system), and a checkout that fails on one rank raises on all of them.
+    a file system), and a checkout that fails on one rank raises on all of them. A sharded
+    model (FSDP2) gets its shards, optimizer and scheduler state through
+    :func:`weightvault.dcp.load` when training begins, the rest from the folder.
 
     Returns:
         What ``trainer.train`` returns.
@@ -273,6 +355,8 @@ def resume(trainer: Any, vault: VaultLike, name: str = "latest", **train_kwargs:
     Example:
         >>> resume(trainer, "runs/vault", "checkpoint-2")
     """
+    if sharded_parameter(trainer.model) is not None:
+        return resume_sharded(trainer, as_vault(vault), name, **train_kwargs)
     with tempfile.TemporaryDirectory(prefix="weightvault-resume-") as tmp:
         error = None
         try:
@@ -281,6 +365,13 @@ def resume(trainer: Any, vault: VaultLike, name: str = "latest", **train_kwargs:
             error = e
         agree(error, f"the checkout of {name!r} from {vault}", "resume from another checkpoint")
         return trainer.train(resume_from_checkpoint=str(folder), **train_kwargs)
+
+
+def _dtensors(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are DTensors (FSDP2, tensor parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _tensor(ckpt: Checkpoint, name: str) -> torch.Tensor:

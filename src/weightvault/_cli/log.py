@@ -1,0 +1,61 @@
+"""``weightvault vault ROOT log``'s figures: each checkpoint's raw bytes against what its
+save wrote on disk, the footnotes that explain a derived figure, and the vault's total.
+
+The figures come from :mod:`.._vault.usage`; this module only words them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from .._base.progress import human
+from .._vault.usage import CheckpointUsage, VaultUsage
+
+#: Marks an on-disk size derived from ``new_bytes`` (the record does not hold it).
+DERIVED = "*"
+
+
+def notes(checkpoints: list[CheckpointUsage]) -> list[tuple[str, str]]:
+    """The footnotes ``log`` owes its table: why a size is derived, why a ratio is ``-``."""
+    out = []
+    if any(not c.recorded for c in checkpoints):
+        out.append(
+            (DERIVED, "not in the record: these objects were written raw (before compression, "
+             "or DCP chunks), so on disk = new")
+        )  # fmt: skip
+    if any(c.weights_only for c in checkpoints):
+        out.append(
+            ("-", "weights only: its training state was dropped after the save, so raw no "
+             "longer counts what it wrote")
+        )  # fmt: skip
+    return out
+
+
+def times(ratio: float) -> str:
+    """A ratio as ``0.27x``."""
+    return f"{ratio:.2f}x"
+
+
+def summary(use: VaultUsage) -> str:
+    """All checkpoints' raw bytes against what the vault takes on disk."""
+    n = len(use.records)
+    text = f"{n} checkpoint{'s' if n != 1 else ''}, {human(use.raw_bytes)} raw; the vault "
+    text += f"takes {human(use.disk_bytes)} on disk"
+    if use.ratio is not None:
+        text += f" ({times(use.ratio)} of raw" + (
+            f", {1 / use.ratio:.1f}x smaller)" if use.ratio < 1 else ")"
+        )
+    records = use.disk_bytes - use.object_bytes
+    return text + f": {human(use.object_bytes)} of objects, {human(records)} of records"
+
+
+def log_doc(use: VaultUsage) -> dict[str, Any]:
+    """``log --json``: each record with its bytes on disk and ratio, and the totals."""
+    checkpoints = []
+    for r, c in zip(use.records, use.checkpoints, strict=True):
+        doc = asdict(r)
+        doc.update(raw_bytes=c.raw_bytes, written_bytes_recorded=c.recorded, ratio=c.ratio)
+        checkpoints.append(doc)
+    total = {k: v for k, v in asdict(use).items() if k not in ("records", "checkpoints")}
+    return {"checkpoints": checkpoints, "total": total}

@@ -1,0 +1,265 @@
+"""How a vault save writes its objects: durability in one batch, one compression per object.
+
+The oracles are the bytes on disk and the raw bytes a load gives back: a save must leave
+every object in place and whole (no temporary file behind), whichever way durability was
+obtained, and choosing between a delta and a full object on a sample must never change
+what loads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import weightvault._base.atomic as atomic  # noqa: E402
+import weightvault._vault.delta as delta_module  # noqa: E402
+from weightvault import Vault  # noqa: E402
+from weightvault._vault.codec import CODECS  # noqa: E402
+from weightvault._vault.delta import _delta_wins  # noqa: E402
+from weightvault._vault.diff import DIFFERENCE, make_delta  # noqa: E402
+from weightvault._vault.store import LocalStore  # noqa: E402
+
+
+def model(n: int = 24, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.Linear(32, 32) for _ in range(n)))
+
+
+def nudge(m: nn.Module, scale: float = 1e-4) -> None:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * scale)
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_save_syncs_its_objects_in_one_batch_not_one_fsync_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not atomic.syncfs(str(tmp_path)):
+        pytest.skip("syncfs(2) is not available here")
+    monkeypatch.setattr(atomic, "_others_dirty", lambda own: 0)  # a quiet machine
+    calls: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    m = model()
+    vault = Vault(tmp_path / "v")
+    vault.save(m)
+    objects = len(list((tmp_path / "v" / "objects").rglob("*")))
+    assert objects > 40  # 48 tensors, several folders
+    # The record, the intent and the vault marker are fsynced; the objects are not, one
+    # by one: a syncfs made them durable.
+    assert len(calls) < 8
+    assert temp_files(tmp_path / "v") == []
+    fresh = model(seed=1)
+    vault.load(fresh)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(m.state_dict().values(), fresh.state_dict().values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("why", ["no syncfs", "another job has much to write"])
+def test_without_syncfs_each_object_is_fsynced_and_the_save_is_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    if why == "no syncfs":
+        monkeypatch.setattr(atomic, "syncfs", lambda root: False)
+    else:
+        # syncfs would also wait for the other job's gigabyte: never called then.
+        monkeypatch.setattr(atomic, "_others_dirty", lambda own: 1 << 30)
+        monkeypatch.setattr(atomic, "syncfs", lambda root: pytest.fail("syncfs called"))
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    m = model()
+    Vault(tmp_path / "v").save(m)
+    assert len(synced) >= 48  # every object file, and their folders
+    assert temp_files(tmp_path / "v") == []
+    fresh = model(seed=1)
+    Vault(tmp_path / "v").load(fresh)
+    assert torch.equal(fresh[0].weight, m[0].weight)
+
+
+def test_a_failed_publish_leaves_no_object_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalStore(str(tmp_path / "s"))
+    staged = {
+        f"objects/ab/{i:064x}": store.stage(f"objects/ab/{i:064x}", b"x" * 100) for i in range(5)
+    }
+    assert len(temp_files(tmp_path)) == 5
+
+    def boom(*args: Any) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("weightvault._vault.store.sync_files", boom)
+    with pytest.raises(OSError, match="disk gone"):
+        store.publish(staged)
+    assert temp_files(tmp_path) == []
+    assert not any(store.exists(k) for k in staged)
+
+
+def test_a_failed_save_removes_what_it_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vault = Vault(tmp_path / "v")
+    vault.save(model())
+    calls = {"n": 0}
+    real = delta_module.Encoder.encode
+
+    def failing(self: Any, digest: str, data: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise RuntimeError("encoder died")
+        return real(self, digest, data)
+
+    monkeypatch.setattr(delta_module.Encoder, "encode", failing)
+    m = model()
+    nudge(m)
+    with pytest.raises(RuntimeError, match="encoder died"):
+        vault.save(m)
+    assert temp_files(tmp_path / "v") == []
+    assert len(vault.list()) == 1
+
+
+def test_the_sample_picks_the_delta_only_when_it_compresses_smaller() -> None:
+    codec = CODECS["blosc2"]
+    rng = np.random.default_rng(0)
+    old = (rng.standard_normal(1 << 18) * 0.02).astype(np.float32)
+    close = old + (rng.standard_normal(old.size) * 1e-6).astype(np.float32)
+    unrelated = (rng.standard_normal(old.size) * 0.02).astype(np.float32)
+    for new, expected in ((close, True), (unrelated, False)):
+        raw = memoryview(new.tobytes())
+        d = memoryview(make_delta(raw, old.tobytes(), DIFFERENCE, 4))
+        assert _delta_wins(codec, raw, d, 4) is expected
+
+
+def test_a_second_save_reads_no_frame_header_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vault = Vault(tmp_path / "v")
+    m = model()
+    vault.save(m)
+    nudge(m)
+    vault.save(m)  # deltas on the first save's objects
+    reads: list[str] = []
+    real = delta_module.stored_depth
+    monkeypatch.setattr(
+        delta_module, "stored_depth", lambda s, d, n: (reads.append(d), real(s, d, n))[1]
+    )
+    nudge(m)
+    vault.save(m)
+    assert reads == []  # the chains this vault wrote are known
+    fresh = model(seed=1)
+    vault.load(fresh)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(m.state_dict().values(), fresh.state_dict().values(), strict=True)
+    )
+
+
+def test_a_base_another_writer_stored_anew_is_read_back_not_trusted(tmp_path: Path) -> None:
+    root = tmp_path / "v"
+    vault = Vault(root)
+    m = nn.Linear(256, 256)
+    vault.save(m)
+    nudge(m)
+    vault.save(m)
+    nudge(m)
+    # Another writer stores the second save's weight again, raw, as a vault without
+    # compression would: same name, another size. This vault's memory of it is stale.
+    ckpt = vault.open("latest")
+    stored = next(n for n in ckpt.objects if n.endswith("weight"))
+    weight = ckpt.objects[stored]
+    path = root / "objects" / weight[:2] / weight
+    raw = bytes(ckpt.raw(stored))
+    path.write_bytes(raw)
+    vault.save(m)
+    fresh = nn.Linear(256, 256)
+    vault.load(fresh)
+    assert torch.equal(fresh.weight, m.weight)
+    report = vault.verify()
+    assert report.ok, report.problems
+
+
+def test_training_state_last_keeps_the_disk_at_one_optimizer_state(tmp_path: Path) -> None:
+    def disk(root: Path) -> int:
+        return sum(p.stat().st_size for p in (root / "objects").rglob("*") if p.is_file())
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    vault = Vault(tmp_path / "v", compression=None, training_state_last=1)
+    sizes = []
+    for _ in range(4):
+        m(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        vault.save(m, optimizer=opt)
+        sizes.append(disk(tmp_path / "v"))
+    weights = sum(p.numel() * 4 for p in m.parameters())
+    # Each save adds one set of weights; the moments of only the newest stay.
+    assert sizes[3] - sizes[2] == pytest.approx(weights, rel=0.02)
+    assert sizes[3] == pytest.approx(4 * weights + 2 * weights, rel=0.02)
+    assert vault.open("000003").manifest.training is None
+    fresh = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    vault.load(fresh, optimizer=fresh_opt)
+    for p, q in zip(m.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
+
+
+def is_opt(name: str) -> bool:
+    return name.startswith("opt/")
+
+
+def test_a_loops_own_training_names_are_stored_in_full(tmp_path: Path) -> None:
+    """What Lightning's plugin sets: its ``optimizer_states/...`` tensors are training
+    state to the delta coding, so none is a delta on a state retain will drop."""
+    from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header
+
+    vault = Vault(tmp_path / "v")
+    vault.storage.training_deltas = False
+    vault.storage.training = is_opt
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(256, 256) * 0.02, "opt/m": torch.randn(256, 256) * 0.02}
+    vault.save(tensors)
+    for t in tensors.values():
+        t.add_(torch.randn_like(t) * 1e-6)
+    vault.save(tensors)
+    depths = {}
+    ckpt = vault.open("latest")
+    for stored, digest in ckpt.objects.items():
+        head = (tmp_path / "v" / "objects" / digest[:2] / digest).read_bytes()[:HEADER_SIZE]
+        depths[stored] = parse_frame_header(memoryview(head)).depth if head[:8] == MAGIC else 0
+    assert depths == {"w": 1, "opt/m": 0}
+
+
+def test_a_paced_gc_is_put_off_only_after_a_slow_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weightvault._vault.vault as vault_module
+
+    vault = Vault(tmp_path / "v")
+    vault.save({"w": torch.ones(4)})
+    runs: list[int] = []
+    monkeypatch.setattr(vault_module, "collect", lambda store: runs.append(1) or 7)
+    assert vault.gc(pace=0.1) == 7 and vault.gc(pace=0.1) == 7  # quick gcs always run
+    assert len(runs) == 2
+    vault._last_gc = (5.0, vault_module.time.monotonic())  # one that took 5 s just ended
+    assert vault.gc(pace=0.1) == 0 and len(runs) == 2  # put off: within 50 s of it
+    assert vault.gc() == 7 and len(runs) == 3  # an explicit gc always runs
+    vault._last_gc = (5.0, vault_module.time.monotonic() - 60)
+    assert vault.gc(pace=0.1) == 7 and len(runs) == 4
