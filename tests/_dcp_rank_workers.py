@@ -108,14 +108,11 @@ def _failing_save(rank: int, model: Any, opt: torch.optim.Optimizer, root: str) 
 
     vault = weightvault.Vault(root)
     if rank in (1, 2):
-        real = vault.store.put
 
-        def put(key: str, data: Any, **kw: Any) -> bool:
-            if key.startswith("objects/"):
-                raise OSError(28, f"No space left on device (rank {rank})")
-            return real(key, data, **kw)
+        def stage(key: str, data: Any) -> str:  # every object write (Store.stage)
+            raise OSError(28, f"No space left on device (rank {rank})")
 
-        vault.store.put = put  # type: ignore[method-assign]
+        vault.store.stage = stage  # type: ignore[method-assign]
     W.train_step(model, opt, 3)  # something new to write
     try:
         wdcp.save(model, vault, "bad", optimizer=opt)

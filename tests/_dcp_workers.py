@@ -396,17 +396,17 @@ def _breaks_on_rank_1(breaks: Callable[[], None]) -> Any:
         def write_data(self, plan: Any, planner: Any) -> Any:
             if dist.get_rank() == 1:
                 store = self.vault.store
-                real_put = store.put
+                real_stage = store.stage
                 calls = [0]
 
-                def put(key: str, data: Any, **kw: Any) -> bool:
-                    if key.startswith("objects/"):
-                        calls[0] += 1
-                        if calls[0] > 2:
-                            breaks()
-                    return real_put(key, data, **kw)
+                def stage(key: str, data: Any) -> str:
+                    # Objects are staged, then published together (see Store.stage).
+                    calls[0] += 1
+                    if calls[0] > 2:
+                        breaks()
+                    return real_stage(key, data)
 
-                store.put = put  # type: ignore[method-assign]
+                store.stage = stage  # type: ignore[method-assign]
             return super().write_data(plan, planner)
 
     return Breaking

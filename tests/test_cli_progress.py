@@ -129,7 +129,10 @@ def test_vault_save_with_a_bar_counts_the_tensors_it_hashes(tmp_path: Path) -> N
         vault.save(model(2), progress=bar)
         assert bar.done == 0
     assert "saving [" in screen.getvalue()
-    assert "saving: writing [####################] 100%" in screen.getvalue()
+    drawn = screen.getvalue()
+    assert "saving: writing [" in drawn
+    # Full when the last object is written (a long rate may cut the label to "wri...").
+    assert re.search(r"saving: wri(ting|\.\.\.) \[#{20}\] 100%", drawn), drawn
 
 
 def test_save_progress_true_draws_on_a_terminal_only(

@@ -198,14 +198,11 @@ def test_a_trained_then_frozen_parameter_keeps_its_state_through_the_vault(
 
 def test_a_failed_save_is_an_exception_naming_the_rank(tmp_path: Path) -> None:
     vault = weightvault.Vault(tmp_path)
-    real = vault.store.put
 
-    def put(key: str, data: Any, **kw: Any) -> bool:
-        if key.startswith("objects/"):
-            raise OSError(28, "No space left on device")
-        return real(key, data, **kw)
+    def stage(key: str, data: Any) -> str:  # every object write (Store.stage)
+        raise OSError(28, "No space left on device")
 
-    vault.store.put = put  # type: ignore[method-assign]
+    vault.store.stage = stage  # type: ignore[method-assign]
     model, opt = _trained(1)
     with pytest.raises(Exception) as e:  # what a training loop catches
         wdcp.save(model, vault, "full", optimizer=opt)
