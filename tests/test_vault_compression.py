@@ -221,11 +221,12 @@ def test_a_load_reads_at_most_k_plus_one_objects_per_tensor(
         step(model, opt)
         vault.save(model)
     reads: list[str] = []
-    real = vault.store.view
-    monkeypatch.setattr(vault.store, "view", lambda key: reads.append(key) or real(key))
+    real = vault.store.local_path  # every object file a read opens is looked up here
+    monkeypatch.setattr(vault.store, "local_path", lambda key: reads.append(key) or real(key))
     with vault.open("latest") as ckpt:
         ckpt.raw("0.weight")
     assert len(reads) == 4  # the newest delta, two more, and the full object
+    assert all(key.startswith("objects/") for key in reads)
 
 
 def test_delete_and_gc_keep_every_base_a_kept_delta_needs(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ from ._load import rules as _rules
 from ._load.plan import LoadOptions, LoadPlan, RulesArg, Target, plan_load
 from ._load.steps import by_group, save_file, start_reading
 from ._load.transforms import Transforms
-from ._load.values import read_values
+from ._load.values import read_value
 from ._numpy.sources import array_dtype, untrained_checkpoint_sources
 from .formats._registry import opened
 
@@ -320,8 +320,7 @@ def _load(
         if in_place:
             options = _legacy_value_names(options, ckpt.names, by_name)
         lp = plan_load(ckpt, targets, options, type(obj).__name__)
-        if options.verify:
-            ckpt.verify(lp.reads())
+        ckpt.stage(lp.reads(), options.verify)
         # Read, rearrange, convert and place every value before touching the model.
         values = _placed_values(ckpt, lp, by_name, share=not in_place)
     for names, value in values:
@@ -348,11 +347,15 @@ def _placed_values(
     """
     done: dict[Hashable, Any] = {}
     out = []
-    for a, value in read_values(ckpt, lp, lambda a: by_name[a.names[0]].value.dtype):
+    bases: dict[str, memoryview] = {}
+    for a in lp.assignments:
         like = by_name[a.names[0]].value
         key = (ckpt.entry(a.source).group, a.dtype, a.transform, where(like)) if share else id(a)
         if key not in done:
+            # One numpy value at a time: it is dropped once placed (a new array of JAX's).
+            value = read_value(ckpt, a, bases, lambda a: by_name[a.names[0]].value.dtype)
             done[key] = placed(value, like)
+            del value
         out.append((a.names, done[key]))
     return out
 

@@ -272,8 +272,8 @@ def _load(
         _refuse_ties(lp, model)
         # Training state is read and checked before the first variable is assigned too.
         prepared = _keras_state.prepare(ckpt, model, lp, options, optimizer=optimizer, rng=rng)
-        if options.verify:
-            ckpt.verify(lp.reads())
+        # Every byte is reached (and with verify, checked) before the first assignment.
+        ckpt.stage(lp.reads(), options.verify)
         variables = {v.name: v.variable for v in vs}
         fill(ckpt, lp, variables, lambda a: _numpy_dtype(a.dtype))
     if restore_frozen:

@@ -38,7 +38,7 @@ from ._file.checkpoint import CheckpointSource
 from ._file.sharing import Source
 from ._load.plan import LoadOptions, RulesArg, Target, plan_load
 from ._load.steps import save_file, separate_cost, start_reading
-from ._load.values import read_values
+from ._load.values import read_value, read_value_into
 from ._numpy.sources import array_dtype, untrained_checkpoint_sources
 from .formats._registry import opened
 
@@ -206,11 +206,15 @@ def load(
     options = LoadOptions(rules=rules, strict=strict, cast=cast, tie=tie, verify=verify)
     with opened(path) as ckpt:
         lp = plan_load(ckpt, targets, options)
-        if verify:
-            ckpt.verify(lp.reads())
-        values = read_values(ckpt, lp, lambda a: arrays[a.names[0]].dtype)
-    for a, value in values:
-        np.copyto(arrays[a.names[0]], value, casting="unsafe" if a.cast else "no")
+        # Every byte is reached (and with verify, checked) before the first copy; then
+        # each value is read into its array in turn, so no second copy is ever held.
+        ckpt.stage(lp.reads(), verify)
+        bases: dict[str, memoryview] = {}
+        for a in lp.assignments:
+            out = arrays[a.names[0]]
+            if not read_value_into(ckpt, a, out):
+                value = read_value(ckpt, a, bases, lambda a: arrays[a.names[0]].dtype)
+                np.copyto(out, value, casting="unsafe" if a.cast else "no")
     if tie:
         for keep, *others in lp.tie:
             for other in others:

@@ -278,9 +278,7 @@ def _load(
         prepared = _torch_state.prepare(
             ckpt, model, lp, options, optimizer=optimizer, scheduler=scheduler, rng=rng
         )
-        if options.verify:
-            ckpt.verify(lp.reads())
-        _assign.assign_all(ckpt, lp, tensors, mmap=mmap)
+        _assign.assign_all(ckpt, lp, tensors, mmap=mmap, verify=options.verify)
         if options.tie:
             _assign.tie(model, lp.tie)
     if restore_frozen:

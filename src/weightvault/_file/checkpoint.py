@@ -188,11 +188,24 @@ class Checkpoint:
             ok = list(pool.map(self.check, names))
         bad = [n for n, good in zip(names, ok, strict=True) if not good]
         if bad:
-            raise ChecksumError(
-                f"{self.path}: checksum mismatch in {len(bad)} tensor(s): {capped(bad)}. "
-                "The data was damaged after it was saved; restore it from a good copy.",
-                bad,
-            )
+            raise checksum_error(self.path, bad)
+
+    def stage(self, stored: list[str], verify: bool) -> None:
+        """Make sure every byte of ``stored`` can be read (and, with ``verify``, matches its
+        checksum) before a load changes anything: a load is all or nothing.
+
+        Here every stored tensor is reached once; a vault checkpoint decodes and checks its
+        objects within a memory budget instead
+        (:meth:`weightvault._vault.checkpoint.VaultCheckpoint.stage`).
+
+        Raises:
+            FormatError: A stored tensor cannot be read.
+            ChecksumError: ``verify`` and a tensor's bytes are damaged.
+        """
+        if verify:
+            self.verify(stored)
+        for name in stored:
+            self.raw(name)
 
     def close(self) -> None:
         """Release what the checkpoint holds open."""
@@ -325,6 +338,15 @@ class MemoryCheckpoint(Checkpoint):
 
     def raw(self, stored: str) -> memoryview:
         return self._data[stored]
+
+
+def checksum_error(path: str, bad: list[str]) -> ChecksumError:
+    """The error for the stored tensors ``bad`` of checkpoint ``path``, whose checksums fail."""
+    return ChecksumError(
+        f"{path}: checksum mismatch in {len(bad)} tensor(s): {capped(bad)}. "
+        "The data was damaged after it was saved; restore it from a good copy.",
+        bad,
+    )
 
 
 #: Checksums are computed over chunks of this size, so verifying needs no tensor-sized buffer.

@@ -75,6 +75,9 @@ class Renamed(Checkpoint):
     def read_into(self, stored: str, buffer: memoryview) -> bool:
         return self._inner.read_into(self._back[stored], buffer)
 
+    def stage(self, stored: list[str], verify: bool) -> None:
+        self._inner.stage([self._back[s] for s in stored], verify)
+
 
 def as_ours(ckpt: Checkpoint, vs: list[Var], label: str | None = None) -> Checkpoint:
     """Read a Keras-written file (``layers/dense/vars/0``) under the target's names.

@@ -7,9 +7,10 @@ the model; on the PyTorch backend the bytes are read straight into the variable'
 memory, and nothing beside the model is held at all. A variable several layers share is
 one assignment of the plan, so it is read and assigned once.
 
-Every check (names, shapes, dtypes, ties, checksums) ran in the load plan before this
-starts, and every stored tensor is reached first, so a file that cannot be read fails
-before the first variable changes.
+Every check (names, shapes, dtypes, ties) ran in the load plan before this starts, and
+the caller staged every stored tensor (:meth:`~weightvault.Checkpoint.stage`: reached,
+decoded and, with ``verify``, checksummed, within a small memory budget for a vault), so
+a file that cannot be read fails before the first variable changes.
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ def fill(
         dtype_of: The numpy dtype of an assignment's variable (for a cast).
 
     Raises:
-        FormatError: A stored tensor cannot be reached (before anything is assigned).
+        FormatError: A stored tensor changed since it was staged.
     """
-    for stored in lp.reads():
-        ckpt.raw(stored)
     bases: dict[str, memoryview] = {}
     for a in lp.assignments:
         variable = variables[a.names[0]]

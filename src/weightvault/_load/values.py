@@ -1,9 +1,11 @@
 """Planned values as numpy arrays: the read step of the numpy-backed adapters' loads.
 
 ``weightvault.numpy``, ``.jax`` and ``.keras`` fill a model from numpy arrays. Each one
-reads every value of the load plan here, with the one decoder of stored bytes
-(:mod:`weightvault._file.arrays`), rearranges it by its transform and converts its dtype,
-all before the model is touched, so a load that fails half-way changes nothing.
+reads the values of the load plan here, one at a time, with the one decoder of stored
+bytes (:mod:`weightvault._file.arrays`), rearranges each by its transform and converts
+its dtype. A load stages the checkpoint first (:meth:`~weightvault.Checkpoint.stage`),
+so a file that cannot be read fails before the model is touched, and then holds at most
+one value beside the model (or none: :func:`read_value_into` reads straight into it).
 Importing this module needs numpy.
 """
 
@@ -52,3 +54,23 @@ def read_value(
     if want is not None:
         value = value.astype(want)
     return value
+
+
+def read_value_into(ckpt: Checkpoint, a: Assignment, out: Any) -> bool:
+    """Read ``a``'s stored bytes straight into numpy array ``out``, if the layouts allow
+    it (a whole stored tensor, no transform or cast, ``out`` C-contiguous, writable and
+    little-endian); ``False`` if they do not, and nothing was read."""
+    e = ckpt.entry(a.source)
+    if (
+        e.view is not None
+        or a.transform is not None
+        or a.cast
+        or not isinstance(out, np.ndarray)
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+        or out.dtype.byteorder == ">"
+        or out.nbytes != ckpt.stored[e.stored].nbytes
+        or out.nbytes == 0
+    ):
+        return False
+    return ckpt.read_into(e.stored, out.reshape(-1).view(np.uint8).data)

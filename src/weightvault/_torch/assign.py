@@ -9,7 +9,8 @@ into the parameter's memory where the layouts allow it.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from .tensors import NAMES, read_tensor
 
 #: Threads that copy bytes into parameters during a load (reads release the GIL).
 READERS = min(4, os.cpu_count() or 1)
+#: Smaller tensors are copied on the calling thread: handing them to a reader cost more
+#: than the copy (measured on a 13 MB GPT-2, docs/benchmarks.md section 11).
+_THREADED = 1 << 20
 
 
 def targets(model: nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
@@ -37,32 +41,64 @@ def targets(model: nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
 
 
 def assign_all(
-    ckpt: Checkpoint, plan: LoadPlan, tensors: dict[str, torch.Tensor], *, mmap: bool
+    ckpt: Checkpoint,
+    plan: LoadPlan,
+    tensors: dict[str, torch.Tensor],
+    *,
+    mmap: bool,
+    verify: bool = False,
 ) -> None:
     """Copy (or, with ``mmap``, map) every planned value into the model's tensors.
+
+    Every stored tensor is staged first (:meth:`~weightvault.Checkpoint.stage`: reached,
+    and with ``verify`` checksummed), so a load that fails changes nothing.
 
     Raises:
         LoadOptionError: ``mmap`` and a tensor is not on the CPU or needs a cast.
         FormatError: A stored tensor's bytes cannot be reached (checked before any copy).
+        ChecksumError: ``verify`` and a tensor's bytes are damaged.
     """
-    for stored in plan.reads():
-        ckpt.raw(stored)  # every byte must be reachable before the first copy
     if mmap:
         _check_mmap(plan.assignments, tensors, ckpt.path)
+    ckpt.stage(plan.reads(), verify)
     mapped: set[str] = set()
-    with torch.no_grad(), ThreadPoolExecutor(READERS) as readers:
+    with torch.no_grad():
         pending = []
         for a in plan.assignments:
-            if not mmap and a.transform is None:
+            if not mmap and a.transform is None and ckpt.stored[a.stored].nbytes >= _THREADED:
                 # Plain reads release the GIL; several run at once, like copy_ would.
-                pending.append(readers.submit(_assign_quietly, ckpt, a, tensors))
+                pending.append(_readers().submit(_assign_quietly, ckpt, a, tensors))
                 continue
             # A second model tensor read from the same bytes (untied, or a copy) must
             # not share the mapping with the first, or writing one would change both.
             _assign(ckpt, a, tensors, mmap=mmap and a.stored not in mapped)
             mapped.add(a.stored)
+        wait(pending)
         for future in pending:
             future.result()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """The threads that copy into parameters, kept between loads: starting them anew cost
+    more than a small model's whole load."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READERS, "weightvault-load")
+        return _pool
+
+
+def _forget_pool() -> None:
+    # A forked child has the pool object but none of its threads.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _check_mmap(assignments: list[Assignment], tensors: dict[str, torch.Tensor], path: str) -> None:

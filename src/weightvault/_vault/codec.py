@@ -154,7 +154,12 @@ def decompress_block(
     if codec_id not in {c.id for c in CODECS.values()}:
         raise ValueError(f"unknown codec {codec_id}")
     b = _blosc2()
-    packed = bytes(src)  # a private copy: nothing can change it between check and use
+    # A private copy, so nothing can change it between check and use; bytes, and a view
+    # of a buffer the caller filled for this call (a pread), are private already.
+    private = isinstance(src, bytes) or (
+        isinstance(src, memoryview) and isinstance(src.obj, bytes | bytearray)
+    )
+    packed = src if private else bytes(src)
     if len(packed) < _BLOSC_MAX_OVERHEAD:
         raise ValueError(f"a compressed block of {len(packed)} bytes is shorter than its header")
     nbytes, cbytes, _ = b.get_cbuffer_sizes(packed)

@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
@@ -56,10 +57,13 @@ __all__ = [
     "VERSION",
     "Frame",
     "decode_into",
+    "decode_range",
+    "drop_buffers",
     "encode_frame",
     "is_frame",
     "parse_frame",
     "parse_frame_header",
+    "table_size",
 ]
 
 MAGIC = b"\x89WVO\r\n\x1a\n"
@@ -167,13 +171,14 @@ def parse_frame_header(data: memoryview) -> Frame:
     return Frame(codec, planes, kind, depth, raw, block, digest, ())
 
 
-def parse_frame(data: memoryview, expected: int | None) -> Frame:
-    """The frame at the start of ``data`` (the whole object file), every field checked.
+def parse_frame(data: memoryview, expected: int | None, size: int | None = None) -> Frame:
+    """The frame at the start of ``data``, every field checked.
 
     Args:
-        data: The object file's bytes (or at least its header and table, when
-            ``data`` is only a prefix; the total length is then not checked).
+        data: The object file's bytes, or a prefix of them that holds at least the header
+            and the block table (then ``size`` gives the file's length).
         expected: The raw size the checkpoint record gives, if known.
+        size: The whole file's length, when ``data`` is only its prefix.
 
     Raises:
         FormatError: Anything is inconsistent: a raw size other than ``expected``, a block
@@ -181,46 +186,104 @@ def parse_frame(data: memoryview, expected: int | None) -> Frame:
             length (truncated or padded), an unknown version or codec.
     """
     data = data.cast("B")
+    size = data.nbytes if size is None else size
     codec, planes, kind, depth, raw, block, base = _fields(data)
     if expected is not None and raw != expected:
         raise FormatError(f"the frame claims {raw} raw bytes, the record says {expected}")
     n = -(-raw // block)
-    if HEADER_SIZE + 8 * n > data.nbytes:
+    if HEADER_SIZE + 8 * n > min(size, data.nbytes):
         raise FormatError(f"the frame's block table ({n} blocks) runs past its end (truncated)")
     lengths = struct.unpack_from(f"<{n}Q", data, HEADER_SIZE)
     total = HEADER_SIZE + 8 * n + sum(lengths)
-    if total != data.nbytes:
+    if total != size:
         raise FormatError(
-            f"the frame's blocks add up to {total} bytes, the object holds {data.nbytes} "
+            f"the frame's blocks add up to {total} bytes, the object holds {size} "
             "(truncated or padded)"
         )
     digest = f"{base:064x}" if base >= 0 else None
     return Frame(codec, planes, kind, depth, raw, block, digest, tuple(lengths))
 
 
+def table_size(head: memoryview) -> int:
+    """Bytes of a frame's header and block table, from its header (for a ranged read).
+
+    Raises:
+        FormatError: The header is inconsistent or of an unknown version.
+    """
+    _, _, _, _, raw, block, _ = _fields(head.cast("B"))
+    return HEADER_SIZE + 8 * -(-raw // block)
+
+
+#: Reads ``length`` bytes of a frame's file at ``offset`` (a slice, or a ``pread``).
+Read = Callable[[int, int], "bytes | memoryview"]
+#: Fills a buffer from a frame's file at ``offset``, or raises FormatError if it ends first.
+ReadInto = Callable[[int, memoryview], None]
+
+
 def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int) -> None:
+    """Decode bytes ``[start, start + len(out))`` of ``frame`` (whose file is ``data``)
+    into ``out``: :func:`decode_range` over a file already in memory."""
+    data = data.cast("B")
+    decode_range(lambda offset, n: data[offset : offset + n], frame, out, start)
+
+
+def decode_range(
+    read: Read,
+    frame: Frame,
+    out: memoryview,
+    start: int,
+    *,
+    parallel: bool = True,
+    read_into: ReadInto | None = None,
+) -> None:
     """Decode bytes ``[start, start + len(out))`` of ``frame`` into ``out``.
 
-    For a delta, ``out`` holds the base's bytes and the decoded delta is applied to them
+    Each block's bytes come from ``read`` (a slice of a mapping, or one ``pread`` of the
+    file), so nothing beyond the blocks being decoded is read or held. For a delta,
+    ``out`` holds the base's bytes and the decoded delta is applied to them
     (:func:`~.diff.apply_delta`); the range must then start and end on whole items. Only
-    the blocks that cover the range are decoded, on all cores for large ranges; nothing
-    is allocated beyond one block per thread.
+    the blocks that cover the range are decoded, on all cores for large ranges unless
+    ``parallel`` is false; a block that covers its part of the range whole is decoded
+    straight into ``out``, any other into one block-sized buffer of its own. With
+    ``read_into`` (a ``preadv`` of the file), compressed blocks are read into a few
+    buffers of one size that the call reuses: reading each into a new ``bytes`` of its
+    own length left the allocator's heaps of every thread holding freed blocks it could
+    not reuse, several MiB of RSS beside a streaming load (docs/benchmarks.md, 10).
 
     Raises:
         FormatError: A block does not decode to its recorded size.
     """
-    data, out = data.cast("B"), out.cast("B")
+    out = out.cast("B")
     end = start + out.nbytes
     if not 0 <= start <= end <= frame.raw_size:
         raise FormatError(f"bytes [{start}, {end}) lie outside the object's {frame.raw_size}")
     first, last = start // frame.block_size, -(-end // frame.block_size)
-    wanted = [i for i in range(first, last) if frame.block(i)[1] > 0]
+    offsets = [HEADER_SIZE + 8 * len(frame.lengths)]
+    for length in frame.lengths[: max(0, last - 1)]:
+        offsets.append(offsets[-1] + length)
+    wanted = [i for i in range(first, last) if i * frame.block_size < frame.raw_size]
 
     def one(i: int) -> None:
-        b_start, length, offset = frame.block(i)
-        src = data[offset : offset + frame.lengths[i]]
+        if read_into is None:
+            src: bytes | memoryview = read(offsets[i], frame.lengths[i])
+            if len(src) != frame.lengths[i]:
+                raise FormatError("the object ended inside a block (truncated while read)")
+            _one(i, src)
+            return
+        buffer = _BUFFERS.take(frame.lengths[i])
+        try:
+            with memoryview(buffer)[: frame.lengths[i]] as src:
+                read_into(offsets[i], src)
+                _one(i, src)
+        finally:
+            _BUFFERS.give(buffer)
+
+    def _one(i: int, src: bytes | memoryview) -> None:
+        b_start = i * frame.block_size
+        length = min(frame.block_size, frame.raw_size - b_start)
         lo, hi = max(start, b_start), min(end, b_start + length)
         target = out[lo - start : hi - start]
+        # ``src`` goes on as it came: bytes from a pread are not copied again to decode.
         if not frame.kind and (lo, hi) == (b_start, b_start + length):
             _decompress(frame, src, target)
             return
@@ -231,10 +294,49 @@ def decode_into(data: memoryview, frame: Frame, out: memoryview, start: int) -> 
         else:
             target[:] = block[lo - b_start : hi - b_start]
 
-    _map(one, wanted, out.nbytes)
+    if parallel:
+        _map(one, wanted, out.nbytes)
+    else:
+        for i in wanted:
+            one(i)
 
 
-def _decompress(frame: Frame, src: memoryview, out: memoryview) -> None:
+class _Buffers:
+    """Buffers that compressed blocks are read into, shared by every decoding thread.
+
+    All are one size (a block and a little more) unless a larger block comes, so a
+    freed one always fits the next read; :func:`drop_buffers` frees them all.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            for k, b in enumerate(self._free):
+                if len(b) >= n:
+                    return self._free.pop(k)
+        return bytearray(max(n, BLOCK + 1024))
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+    def drop(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_BUFFERS = _Buffers()
+
+
+def drop_buffers() -> None:
+    """Free the buffers decoding keeps for reading compressed blocks (after a load)."""
+    _BUFFERS.drop()
+
+
+def _decompress(frame: Frame, src: bytes | memoryview, out: memoryview) -> None:
     try:
         decompress_block(frame.codec, src, out, frame.itemsize)
     except ValueError as e:

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 
@@ -34,10 +35,11 @@ from .frame import (
     HEADER_SIZE,
     MAX_DEPTH,
     Frame,
-    decode_into,
+    decode_range,
     is_frame,
     parse_frame,
     parse_frame_header,
+    table_size,
 )
 from .store import Store
 
@@ -46,6 +48,8 @@ __all__ = [
     "Files",
     "Link",
     "ObjectCheckpoint",
+    "ObjectFile",
+    "OpenObject",
     "chain",
     "checksum",
     "content_hash",
@@ -57,6 +61,8 @@ __all__ = [
     "object_frame",
     "object_key",
     "object_size",
+    "open_file",
+    "open_object",
     "prefetch",
     "read_object",
     "read_range",
@@ -130,13 +136,168 @@ def object_file(store: Store, digest: str) -> memoryview:
 Files = Mapping[str, bytes | memoryview]
 
 
-def _getter(store: Store, files: Files | None) -> Callable[[str], memoryview]:
-    def get(digest: str) -> memoryview:
-        if files is not None and digest in files:
-            return memoryview(files[digest])
-        return object_file(store, digest)
+class ObjectFile:
+    """One object's file, open for reads by range.
 
-    return get
+    A local file is read with ``pread`` through one descriptor, so a load touches only
+    the blocks it decodes and maps nothing (mapped pages would count in the process'
+    RSS); a file fetched ahead, or from a remote store, is its bytes in memory.
+    """
+
+    def __init__(self, *, fd: int = -1, data: memoryview | None = None) -> None:
+        self._fd = fd
+        self._data = data
+        self.size = os.fstat(fd).st_size if data is None else data.nbytes
+
+    def read(self, offset: int, length: int) -> bytes | memoryview:
+        """Up to ``length`` bytes at ``offset`` (fewer only past the end of the file)."""
+        if self._data is not None:
+            return self._data[offset : offset + length]
+        return os.pread(self._fd, length, offset)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset``.
+
+        Raises:
+            FormatError: The file ends first (it was truncated).
+        """
+        out = out.cast("B")
+        if self._data is not None:
+            if offset + out.nbytes > self._data.nbytes:
+                raise FormatError("the object ended before its bytes did")
+            out[:] = self._data[offset : offset + out.nbytes]
+            return
+        while out.nbytes:
+            n = os.preadv(self._fd, [out[: 1 << 30]], offset)  # ~2 GiB per call at most
+            if n == 0:
+                raise FormatError("the object ended before its bytes did (truncated)")
+            out, offset = out[n:], offset + n
+
+    @property
+    def preadv(self) -> Callable[[int, memoryview], None] | None:
+        """:meth:`read_into` for a local file (reads into a buffer); ``None`` for bytes
+        in memory, which are sliced without a copy."""
+        return self.read_into if self._data is None else None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._data = None
+
+    def __del__(self) -> None:
+        # A checkpoint dropped without close() must not leak the descriptors it held.
+        self.close()
+
+
+def open_file(store: Store, digest: str, files: Files | None = None) -> ObjectFile:
+    """Object ``digest``'s file, opened wherever a gc may hold it (:func:`locations`).
+
+    Raises:
+        FileNotFoundError: The object is nowhere; callers name the tensor it held.
+    """
+    if files is not None and digest in files:
+        return ObjectFile(data=memoryview(files[digest]).cast("B"))
+    for key in locations(store, digest):
+        path = store.local_path(key)
+        try:
+            if path is None:
+                return ObjectFile(data=store.view(key))
+            return ObjectFile(fd=os.open(path, os.O_RDONLY))
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(object_key(digest))
+
+
+#: One object of a delta chain: ``(digest, its file, its frame or None for raw bytes)``.
+Link = tuple[str, ObjectFile, Frame | None]
+
+
+class OpenObject:
+    """An object and its delta bases down to a full object, every file open and every
+    frame checked (:func:`open_object`); decodes any range of the object's raw bytes.
+
+    Use it as a context manager: it holds a descriptor per link.
+    """
+
+    def __init__(self, links: list[Link]) -> None:
+        self.links = links
+        top = links[0][2]
+        self.size = top.raw_size if top is not None else links[0][1].size
+        #: A delta applies to whole items: decoded ranges start and end on them.
+        self.itemsize = top.itemsize if top is not None else 1
+
+    @property
+    def raw(self) -> bool:
+        """Whether the object is its raw bytes (no frame, no chain)."""
+        return self.links[0][2] is None
+
+    @property
+    def window(self) -> int:
+        """The bytes a sequential reader decodes at once: the top frame's block, when every
+        link's blocks line up with it and with whole items, else the whole object."""
+        frames = [f for _, _, f in self.links if f is not None]
+        if not frames:
+            return min(self.size, _RAW_WINDOW)
+        block = frames[0].block_size
+        if block % self.itemsize or any(f.block_size != block for f in frames):
+            return self.size
+        return min(self.size, block)
+
+    def decode_into(self, out: memoryview, start: int = 0, *, parallel: bool = True) -> None:
+        """Raw bytes ``[start, start + len(out))`` into ``out`` (item-aligned for a delta).
+
+        Raises:
+            FormatError: A block does not decode, or a file was truncated while read.
+        """
+        out = out.cast("B")
+        _, base, frame = self.links[-1]
+        if frame is None:
+            base.read_into(start, out)
+        else:
+            decode_range(base.read, frame, out, start, parallel=parallel, read_into=base.preadv)
+        for _, delta, frame in reversed(self.links[:-1]):
+            assert frame is not None
+            decode_range(delta.read, frame, out, start, parallel=parallel, read_into=delta.preadv)
+
+    def close(self) -> None:
+        for _, f, _ in self.links:
+            f.close()
+
+    def __enter__(self) -> OpenObject:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+#: Raw objects are hashed in windows of this size (a frame's are its blocks).
+_RAW_WINDOW = 4 << 20
+
+
+def open_object(
+    store: Store, digest: str, nbytes: int | None = None, *, files: Files | None = None
+) -> OpenObject:
+    """Object ``digest`` and its delta chain, opened and checked (:func:`chain`).
+
+    Raises:
+        FileNotFoundError: The object itself is nowhere.
+        FormatError: Its frame is damaged or lies, or a base is missing or does not fit.
+    """
+    first = open_file(store, digest, files)
+    opened = [first]
+
+    def get(d: str) -> ObjectFile:
+        f = open_file(store, d, files)
+        opened.append(f)
+        return f
+
+    try:
+        return OpenObject(chain(digest, first, nbytes, get))
+    except BaseException:
+        for f in opened:
+            f.close()
+        raise
 
 
 def _is_raw(data: memoryview, size: int | None) -> bool:
@@ -158,11 +319,20 @@ def read_object(
         FormatError: Its frame is damaged or lies, or a delta base is missing or does not
             fit; the message names the object.
     """
-    get = _getter(store, files)
-    data = get(digest)
+    if files is not None and digest in files:
+        data = memoryview(files[digest]).cast("B")
+    else:
+        data = object_file(store, digest)
     if _is_raw(data, nbytes):
         return data
-    return _rebuild(store, digest, get, data, nbytes, 0, None)
+    del data
+    try:
+        with open_object(store, digest, nbytes, files=files) as obj:
+            out = memoryview(bytearray(obj.size))
+            obj.decode_into(out)
+            return out
+    except FormatError as e:
+        raise FormatError(f"{store.url}/{object_key(digest)}: {e}") from None
 
 
 def read_range(store: Store, digest: str, start: int, end: int) -> bytes:
@@ -174,80 +344,69 @@ def read_range(store: Store, digest: str, start: int, end: int) -> bytes:
         FileNotFoundError: The object is nowhere.
         FormatError: Its frame is damaged, or the range lies outside the object.
     """
-    for key in locations(store, digest):
-        try:
-            head = store.get_range(key, 0, HEADER_SIZE)
-            if not is_frame(head):
-                return store.get_range(key, start, end)
-            data = store.view(key)
-        except FileNotFoundError:
-            continue
-        get = _getter(store, None)
-        return bytes(_rebuild(store, digest, get, data, None, start, end))
-    raise FileNotFoundError(object_key(digest))
-
-
-def _rebuild(
-    store: Store,
-    digest: str,
-    get: Callable[[str], memoryview],
-    data: memoryview,
-    nbytes: int | None,
-    start: int,
-    end: int | None,
-) -> memoryview:
     try:
-        links = chain(digest, data, nbytes, get)
-        top = links[0][2]
-        size = top.raw_size if top else data.nbytes
-        end = size if end is None else end
-        if not 0 <= start <= end <= size:
-            raise FormatError(f"bytes [{start}, {end}) lie outside the object's {size}")
-        item = top.itemsize if top else 1  # a delta applies to whole items
-        lo, hi = start - start % item, min(size, end + (-end % item))
-        out = memoryview(bytearray(hi - lo))
-        _, base, frame = links[-1]
-        if frame is None:
-            out[:] = base[lo:hi]
-        else:
-            decode_into(base, frame, out, lo)
-        for _, delta, frame in reversed(links[:-1]):
-            decode_into(delta, frame, out, lo)  # type: ignore[arg-type]
-        return out[start - lo : end - lo]
+        with open_object(store, digest) as obj:
+            size = obj.size
+            if not 0 <= start <= end <= size:
+                raise FormatError(f"bytes [{start}, {end}) lie outside the object's {size}")
+            item = obj.itemsize  # a delta applies to whole items
+            lo, hi = start - start % item, min(size, end + (-end % item))
+            out = memoryview(bytearray(hi - lo))
+            obj.decode_into(out, lo)
+            return bytes(out[start - lo : end - lo])
     except FormatError as e:
         raise FormatError(f"{store.url}/{object_key(digest)}: {e}") from None
 
 
-Link = tuple[str, memoryview, Frame | None]
-
-
 def chain(
-    digest: str, data: memoryview, nbytes: int | None, get: Callable[[str], memoryview]
+    digest: str, first: ObjectFile, nbytes: int | None, get: Callable[[str], ObjectFile]
 ) -> list[Link]:
-    """Object ``digest`` and its delta bases down to a full object, every link checked.
+    """Object ``digest`` (file ``first``) and its delta bases down to a full object, every
+    link checked.
 
-    Each link is ``(digest, file bytes, frame or None for raw bytes)``. A base must be
-    as large as its delta, split into the same byte planes, and one level shallower, so
-    a chain ends: a cycle or a chain deeper than :data:`~.frame.MAX_DEPTH` is refused.
+    A base must be as large as its delta, split into the same byte planes, and one level
+    shallower, so a chain ends: a cycle or a chain deeper than :data:`~.frame.MAX_DEPTH`
+    is refused. Only each frame's header and block table are read here.
 
     Raises:
         FormatError: A frame is damaged, or a base is missing or does not fit its delta.
     """
     links: list[Link] = []
+    f = first
     while True:
-        frame = None if _is_raw(data, nbytes) else parse_frame(data, nbytes)
-        if frame is None and nbytes is not None and data.nbytes != nbytes:
-            raise FormatError(f"object {digest[:12]} holds {data.nbytes} bytes, expected {nbytes}")
+        frame = _frame_of(f, nbytes)
+        if frame is None and nbytes is not None and f.size != nbytes:
+            raise FormatError(f"object {digest[:12]} holds {f.size} bytes, expected {nbytes}")
         if links:
             _check_base(links[-1], digest, frame)
-        links.append((digest, data, frame))
+        links.append((digest, f, frame))
         if frame is None or frame.base is None:
             return links
         digest, nbytes = frame.base, frame.raw_size
         try:
-            data = get(digest)
+            f = get(digest)
         except FileNotFoundError:
             raise FormatError(f"its delta base {digest[:12]} is missing") from None
+
+
+def _frame_of(f: ObjectFile, nbytes: int | None) -> Frame | None:
+    """The frame of file ``f``, or ``None`` if it holds raw bytes (see :mod:`.frame`)."""
+    if nbytes is not None and f.size == nbytes:
+        return None
+    head = memoryview(f.read(0, HEADER_SIZE))
+    if not is_frame(head):
+        return None
+    header = parse_frame_header(head)
+    if nbytes is not None and header.raw_size != nbytes:
+        raise FormatError(f"the frame claims {header.raw_size} raw bytes, the record says {nbytes}")
+    # The table is read only once the header says it fits in the file.
+    table = table_size(head)
+    if table > f.size:
+        blocks = (table - HEADER_SIZE) // 8
+        raise FormatError(
+            f"the frame's block table ({blocks} blocks) runs past its end (truncated)"
+        )
+    return parse_frame(memoryview(f.read(0, table)), nbytes, f.size)
 
 
 def _check_base(delta: Link, digest: str, frame: Frame | None) -> None:
