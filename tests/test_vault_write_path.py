@@ -263,3 +263,17 @@ def test_a_paced_gc_is_put_off_only_after_a_slow_one(
     assert vault.gc() == 7 and len(runs) == 3  # an explicit gc always runs
     vault._last_gc = (5.0, vault_module.time.monotonic() - 60)
     assert vault.gc(pace=0.1) == 7 and len(runs) == 4
+
+
+def test_a_vault_removed_and_made_again_under_a_live_vault_object_saves(tmp_path: Path) -> None:
+    import shutil
+
+    vault = Vault(tmp_path / "v")
+    m = model(4)
+    vault.save(m)
+    shutil.rmtree(tmp_path / "v")  # the folders the store knew are gone
+    nudge(m)
+    vault.save(m)
+    fresh = model(4, seed=1)
+    Vault(tmp_path / "v").load(fresh)
+    assert torch.equal(fresh[0].weight, m[0].weight)

@@ -133,6 +133,7 @@ class LocalStore(Store):
         # Nothing is created here: the folder appears with the first write (see put).
         self.root = os.path.abspath(root)
         self.url = self.root
+        self._folders: set[str] = set()  # folders this store made or found, for stage()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -220,8 +221,18 @@ class LocalStore(Store):
 
     def stage(self, key: str, data: Payload) -> str:
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return write_temp(path, data)
+        folder = os.path.dirname(path)
+        if folder not in self._folders:
+            # An mkdir that finds the folder there still costs a system call per object.
+            os.makedirs(folder, exist_ok=True)
+            self._folders.add(folder)
+        try:
+            return write_temp(path, data)
+        except FileNotFoundError:
+            # The folder went away (a vault removed and made again): make it once more.
+            self._folders.discard(folder)
+            os.makedirs(folder, exist_ok=True)
+            return write_temp(path, data)
 
     def publish(self, staged: Mapping[str, str]) -> None:
         # Data durable first, then the renames: a crash never leaves a final name whose
