@@ -8,10 +8,11 @@ blosc2 does the shuffle in C (SIMD); docs/benchmarks.md (section "Compressed obj
 has the comparison with numpy planes + ``zstandard`` that chose it. python-blosc2 holds
 the GIL while it (de)compresses, so Python threads calling it run one at a time
 (measured: two threads compress no faster than one). A block of 1 MiB or more is instead
-split over blosc2's own C threads, one per core (:data:`THREADS`): on two cores, alone,
-1.6x faster to compress and 3.4x faster to decompress than on one thread. Inside a whole
-save or load of GPT-2 small the gain is within noise (1.13 s against 1.20 s to save,
-0.30 s against 0.32 s to load), where hashing, copies and the page cache share the cores.
+compressed on blosc2's own C threads, one per core (:data:`THREADS`): on two cores, alone,
+1.6x faster than one thread; a save of GPT-2 small took 1.13 s against 1.20 s. Decoding
+stays on one thread: alone it is 3.4x faster on two, but inside a load (whose own
+threads overlap reads, checks and copies) one thread measured faster (10.3 ms against
+12.4 ms for the 13 MB model of docs/benchmarks.md section 11).
 
 Decoding is bounded: a block is decompressed only into a buffer of the size the frame
 and the checkpoint record agree on, and only after blosc2's own header says exactly that
@@ -189,7 +190,9 @@ def decompress_block(
     if nbytes == 0:
         return
     try:
-        got = b.decompress2(packed, dst=out, nthreads=_threads(out.nbytes))
+        # One thread: measured faster inside a load than blosc2's threads (the load's
+        # own threads overlap reads, checks and copies with it).
+        got = b.decompress2(packed, dst=out, nthreads=1)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"a compressed block does not decompress ({e})") from None
     if got is not None:
