@@ -2,7 +2,7 @@
 
 Every object is one tensor (or one DCP chunk), named by the blake3 hex digest of its raw
 bytes and kept at ``objects/<digest[:2]>/<digest>``: either those raw bytes, or a frame
-(:mod:`.frame`) that holds them compressed, or as the XOR with a base object (a delta).
+(:mod:`.frame`) that holds them compressed, or as a delta on a base object (:mod:`.diff`).
 :func:`read_object` and :func:`read_range` give raw bytes whichever it is, following a
 delta's chain of bases (:func:`chain`) to a full object. While a gc runs it
 may hold an object in its trash, ``trash/<gc id>/<digest>``, until it either deletes it

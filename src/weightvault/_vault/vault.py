@@ -75,7 +75,7 @@ class Vault:
         compression: How new objects are compressed (``"blosc2"``: byte planes, then
             zstd), or ``None`` to write raw bytes. Either way every object is named by the
             blake3 of its raw bytes, and vaults of any mix of them load.
-        delta_chain: A changed tensor is stored as the XOR with its previous value when
+        delta_chain: A changed tensor is stored as the difference to its previous value when
             that is smaller, with a full object at least every ``delta_chain + 1`` saves
             (so a load reads at most ``delta_chain + 1`` objects per tensor); 0 turns
             deltas off.
