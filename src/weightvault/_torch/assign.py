@@ -9,13 +9,13 @@ into the parameter's memory where the layouts allow it.
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 
 import torch
 from torch import nn
 
 from .._base.errors import LoadOptionError, capped
+from .._base.pools import LazyPool
 from .._file.checkpoint import Checkpoint
 from .._load.plan import Assignment, LoadPlan, Target
 from .tensors import NAMES, read_tensor
@@ -78,27 +78,9 @@ def assign_all(
             future.result()
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _readers() -> ThreadPoolExecutor:
-    """The threads that copy into parameters, kept between loads: starting them anew cost
-    more than a small model's whole load."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(READERS, "weightvault-load")
-        return _pool
-
-
-def _forget_pool() -> None:
-    # A forked child has the pool object but none of its threads.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+#: The threads that copy into parameters, kept between loads: starting them anew cost
+#: more than a small model's whole load.
+_readers = LazyPool(READERS, "weightvault-load")
 
 
 def _check_mmap(assignments: list[Assignment], tensors: dict[str, torch.Tensor], path: str) -> None:

@@ -31,12 +31,11 @@ Example:
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .._base.errors import BackendNotInstalled
+from .._base.pools import LazyPool
 
 __all__ = [
     "BLOCK",
@@ -81,9 +80,6 @@ STORED = Codec("stored", 0, 0)
 CODECS = {"blosc2": Codec("blosc2", 1, 1)}
 DEFAULT = "blosc2"
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
 
 def _threads(nbytes: int) -> int:
     """blosc2 threads for a block of ``nbytes``: starting them costs more than a small
@@ -110,22 +106,9 @@ def codec_named(name: str | None, where: str) -> Codec | None:
     return CODECS[name]
 
 
-def codec_pool() -> ThreadPoolExecutor:
-    """Threads that (de)compress blocks, one per core; they never wait on other work."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(os.cpu_count() or 1, "weightvault-codec")
-        return _pool
-
-
-def _forget_pool() -> None:
-    # A forked child has the pool object but none of its threads.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+#: Threads that (de)compress blocks and read objects, one per core; they never wait on
+#: other work.
+codec_pool = LazyPool(os.cpu_count() or 1, "weightvault-codec")
 
 
 def _blosc2() -> Any:

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from .._base.errors import CheckpointExistsError
+from .._base.pools import LazyPool
 from .codec import CODECS, DEFAULT
 from .delta import Encoder, stored_depth
 from .gc import wait_for_gc
@@ -63,27 +64,8 @@ Data = tuple[int, Callable[[], memoryview | bytes]]
 T = TypeVar("T")
 U = TypeVar("U")
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def workers() -> ThreadPoolExecutor:
-    """This process's save threads, started once (a thread start costs milliseconds)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(WORKERS, "weightvault-save")
-        return _pool
-
-
-def _forget_workers() -> None:
-    # A forked child inherits the pool object but none of its threads (nor a lock state
-    # that means anything): it starts its own when it first saves.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_workers)
+#: This process's save threads, started once (a thread start costs milliseconds).
+workers = LazyPool(WORKERS, "weightvault-save")
 
 
 def each(

@@ -194,12 +194,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         kwargs: dict[str, Any],
     ) -> None:
         """Store the checkpoint (on the writing rank only)."""
-        metadata = {
-            STATE_KEY: json.dumps(dataclasses.asdict(state), sort_keys=True),
-            "global_step": str(state.global_step),
-        }
-        if ranks is not None:
-            metadata[RANKS_KEY] = encode_ranks(ranks)
+        metadata = _metadata(state, ranks)
         # A run resumed from an earlier step replaces the later checkpoints of the run it
         # left, as the Trainer overwrites its folders.
         discard(self.vault, name)
@@ -226,11 +221,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         kwargs: dict[str, Any],
     ) -> None:
         """Store the checkpoint of a sharded model (every rank, collective)."""
-        metadata = {
-            STATE_KEY: json.dumps(dataclasses.asdict(state), sort_keys=True),
-            "global_step": str(state.global_step),
-            RANKS_KEY: encode_ranks(ranks or [rank_rng()]),
-        }
+        metadata = _metadata(state, ranks or [rank_rng()])
         save_sharded(
             self.vault, name, kwargs["model"], unwrap(kwargs.get("optimizer"), "optimizer"),
             unwrap(kwargs.get("lr_scheduler"), "scheduler"), metadata, _FIX,
@@ -264,6 +255,17 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
             keep_last=args.save_total_limit or None,
             training_state_last=self.training_state_last,
         )
+
+
+def _metadata(state: TrainerState, ranks: list[dict[str, Any]] | None) -> dict[str, str]:
+    """A checkpoint's metadata: the ``TrainerState``, its step, and each rank's RNG."""
+    metadata = {
+        STATE_KEY: json.dumps(dataclasses.asdict(state), sort_keys=True),
+        "global_step": str(state.global_step),
+    }
+    if ranks is not None:
+        metadata[RANKS_KEY] = encode_ranks(ranks)
+    return metadata
 
 
 def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Path:
