@@ -100,10 +100,10 @@ def test_a_failed_publish_leaves_no_object_and_no_temporary_file(
     }
     assert len(temp_files(tmp_path)) == 5
 
-    def boom(*args: Any) -> None:
+    def boom(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk gone")
 
-    monkeypatch.setattr("weightvault._vault.store.sync_files", boom)
+    monkeypatch.setattr("weightvault._vault.store.sync_paths", boom)
     with pytest.raises(OSError, match="disk gone"):
         store.publish(staged)
     assert temp_files(tmp_path) == []

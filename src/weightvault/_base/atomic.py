@@ -62,7 +62,7 @@ def atomic_file(
             once pass False and sync the folders themselves, once.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    fd, tmp = _temp_beside(path)
     out = AtomicFile(fd)
     try:
         yield out
@@ -94,11 +94,10 @@ def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview
     """Write ``data`` to a new temporary file beside ``path``, NOT synced; return its name.
 
     The first half of a batched atomic write: many files are written this way, made
-    durable at once by :func:`sync_files`, and only then renamed into place (see
+    durable at once by :func:`sync_paths`, and only then renamed into place (see
     :meth:`weightvault._vault.store.LocalStore.publish`). On error nothing is left behind.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    fd, tmp = _temp_beside(path)
     try:
         for part in [data] if isinstance(data, bytes | memoryview) else data:
             write_all(fd, part)
@@ -112,31 +111,26 @@ def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview
     return tmp
 
 
-def sync_files(root: str, paths: Iterable[str], own_bytes: int = 0) -> None:
-    """Make the data of ``paths`` (and every earlier rename on ``root``'s disk) durable.
+def batch_sync_ok(own_bytes: int) -> bool:
+    """Whether one ``syncfs`` should make a batch of ``own_bytes`` durable.
 
-    One ``syncfs`` of the filesystem that holds ``root`` where Linux offers it and little
-    else is waiting to be written: the disk then commits its journal once, where an fsync
-    per file commits it once per file (measured on a quiet disk: 157 small objects take
-    0.07 s this way against 0.18-0.4 s one fsync at a time). ``syncfs`` also writes
-    whatever else is dirty on that filesystem, so when the machine holds much more dirty
-    data than ``own_bytes`` (another job writing gigabytes), the files are fsynced one by
-    one instead, concurrently, and a save never waits for someone else's writes. The
-    same happens where ``syncfs`` is missing.
+    One ``syncfs`` of the filesystem commits the disk's journal once, where an fsync per
+    file commits it once per file (measured on a quiet disk: 157 small objects take
+    0.07 s this way against 0.18-0.4 s one fsync at a time). But ``syncfs`` also writes
+    whatever else is dirty on that filesystem, so while the machine holds much more dirty
+    data than ``own_bytes`` (another job writing gigabytes), the batch is fsynced file by
+    file instead, and a save never waits for someone else's writes.
     """
-    paths = list(paths)
-    if _others_dirty(own_bytes) <= _DIRTY_SLACK and syncfs(root):
+    return _others_dirty(own_bytes) <= _DIRTY_SLACK
+
+
+def sync_paths(root: str, paths: Iterable[str], *, batch: bool) -> None:
+    """Make ``paths`` (files, or folders holding renames) durable: with ``batch``, by one
+    ``syncfs`` of ``root``'s filesystem where Linux offers it, else (and where it does
+    not) by an fsync of each, concurrently."""
+    if batch and syncfs(root):
         return
     fsync_all(paths)
-
-
-def sync_dirs(root: str, folders: Iterable[str]) -> None:
-    """Make renames into ``folders`` durable: one ``syncfs`` as :func:`sync_files` would
-    choose it, else an fsync of each folder, concurrently."""
-    folders = list(folders)
-    if len(folders) > 1 and _others_dirty(0) <= _DIRTY_SLACK and syncfs(root):
-        return
-    fsync_all(folders)
 
 
 #: How many bytes of other writers' dirty data a ``syncfs`` may also flush.
@@ -194,6 +188,12 @@ def syncfs(root: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _temp_beside(path: str) -> tuple[int, str]:
+    """A new temporary file in ``path``'s folder, named so that gc knows it as one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
 
 
 def _umask() -> int:

@@ -165,8 +165,8 @@ def store_missing(
     try:
         sizes_written = each(pool, put, missing, written)
         # Every object durable and in place at once: one journal commit for the whole
-        # save, where an fsync per object cost one each (see _base.atomic.sync_files).
-        store.publish(staged)
+        # save, where an fsync per object cost one each (see _base.atomic.batch_sync_ok).
+        store.publish(staged, sum(sizes_written))
     except BaseException:
         store.discard(staged)
         raise

@@ -17,9 +17,9 @@ from typing import Any
 
 from .._base.atomic import (
     atomic_file,
+    batch_sync_ok,
     fsync_dir,
-    sync_dirs,
-    sync_files,
+    sync_paths,
     write_all,
     write_temp,
 )
@@ -109,8 +109,9 @@ class Store:
         self.put(key, data if isinstance(data, bytes | memoryview) else b"".join(data))
         return key
 
-    def publish(self, staged: Mapping[str, str]) -> None:
-        """Make the staged ``{key: token}`` blobs durable and visible under their keys."""
+    def publish(self, staged: Mapping[str, str], nbytes: int = 0) -> None:
+        """Make the staged ``{key: token}`` blobs (``nbytes`` in all) durable and visible
+        under their keys."""
 
     def discard(self, staged: Mapping[str, str]) -> None:
         """Drop what :meth:`stage` wrote and was never published (a failed save)."""
@@ -234,24 +235,23 @@ class LocalStore(Store):
             os.makedirs(folder, exist_ok=True)
             return write_temp(path, data)
 
-    def publish(self, staged: Mapping[str, str]) -> None:
+    def publish(self, staged: Mapping[str, str], nbytes: int = 0) -> None:
         # Data durable first, then the renames: a crash never leaves a final name whose
         # bytes were not on disk (some filesystems would show it empty or zero-filled).
         # A crash before the renames leaves temporary files, which gc removes.
         if not staged:
             return
-        own = 0
-        for tmp in staged.values():
-            with contextlib.suppress(OSError):
-                own += os.stat(tmp).st_size
+        batch = batch_sync_ok(nbytes)  # decided once, for the data and the renames
         try:
-            sync_files(self.root, staged.values(), own)
+            sync_paths(self.root, staged.values(), batch=batch)
             for key, tmp in staged.items():
                 os.replace(tmp, self._path(key))
         except BaseException:
             self.discard(staged)
             raise
-        sync_dirs(self.root, {os.path.dirname(self._path(k)) for k in staged})
+        folders = {os.path.dirname(self._path(k)) for k in staged}
+        # One folder's fsync costs less than a syncfs.
+        sync_paths(self.root, folders, batch=batch and len(folders) > 1)
 
     def discard(self, staged: Mapping[str, str]) -> None:
         for tmp in staged.values():
