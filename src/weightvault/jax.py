@@ -81,7 +81,7 @@ from ._jax.walk import (
 )
 from ._load import rules as _rules
 from ._load.plan import LoadOptions, LoadPlan, RulesArg, Target, plan_load
-from ._load.steps import by_group, save_file, start_reading
+from ._load.steps import by_group, grouped_cost, save_file, start_reading
 from ._load.transforms import Transforms
 from ._load.values import read_value
 from ._numpy.sources import array_dtype, untrained_checkpoint_sources
@@ -209,18 +209,9 @@ def load_file(
         True
     """
     with opened(path) as ckpt:
-        start_reading(ckpt, _grouped_cost(ckpt), "arrays", max_bytes, verify)
+        start_reading(ckpt, grouped_cost(ckpt), "arrays", max_bytes, verify)
         bases: dict[str, memoryview] = {}
         return by_group(ckpt, lambda e: jax.numpy.asarray(read_array(ckpt, e, bases)))
-
-
-def _grouped_cost(ckpt: Checkpoint) -> int:
-    """Bytes :func:`load_file` allocates on the host: one value per alias group, and each
-    stored tensor a view is read from."""
-    entries = [ckpt.entry(n) for n in ckpt.names]
-    groups = {e.group: e.nbytes for e in entries}
-    bases = {e.stored for e in entries if e.view is not None}
-    return sum(groups.values()) + sum(ckpt.stored[s].nbytes for s in bases)
 
 
 def load(

@@ -44,7 +44,7 @@ from ._torch.tensors import (
     entry_tensor,
     stored_tensor,
 )
-from ._torch.wrappers import PREFIXES, prefix_rules, unwrap
+from ._torch.wrappers import prefix_rules, unwrap, without_prefixes
 from .formats._registry import opened
 
 __all__ = ["freeze", "load", "load_file", "save", "trainable", "unfreeze"]
@@ -310,7 +310,7 @@ def _select(model: nn.Module, patterns: Iterable[str], verb: str) -> dict[str, n
     # DataParallel. A pattern written with a wrapper's prefix still means the same names.
     model = unwrap(model)
     params = _params_by_name(model)
-    pats = [_without_wrapper_prefix(p) for p in patterns] or ["*"]
+    pats = [without_prefixes(p) for p in patterns] or ["*"]
     chosen: dict[int, nn.Parameter] = {}
     names = list(params)
     for pat in pats:
@@ -322,12 +322,6 @@ def _select(model: nn.Module, patterns: Iterable[str], verb: str) -> dict[str, n
             chosen[id(params[n])] = params[n]
     # Every name of a chosen tensor, so a tie is frozen through all of its names.
     return {n: p for n, p in params.items() if id(p) in chosen}
-
-
-def _without_wrapper_prefix(pattern: str) -> str:
-    while pattern.startswith(PREFIXES):
-        pattern = pattern.split(".", 1)[1]
-    return pattern
 
 
 def freeze(

@@ -79,8 +79,19 @@ def separate_cost(ckpt: Checkpoint) -> int:
     Each name's value, plus each stored tensor that views are read from.
     """
     entries = [ckpt.entry(n) for n in ckpt.names]
-    bases = {e.stored for e in entries if e.view is not None}
-    return sum(e.nbytes for e in entries) + sum(ckpt.stored[s].nbytes for s in bases)
+    return sum(e.nbytes for e in entries) + _view_bases(ckpt, entries)
+
+
+def grouped_cost(ckpt: Checkpoint) -> int:
+    """Bytes a read allocates where the names of one tensor share a value: one per alias
+    group, and each stored tensor that views are read from."""
+    entries = [ckpt.entry(n) for n in ckpt.names]
+    groups = {e.group: e.nbytes for e in entries}
+    return sum(groups.values()) + _view_bases(ckpt, entries)
+
+
+def _view_bases(ckpt: Checkpoint, entries: list[Entry]) -> int:
+    return sum(ckpt.stored[s].nbytes for s in {e.stored for e in entries if e.view is not None})
 
 
 def start_reading(

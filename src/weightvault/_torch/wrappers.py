@@ -79,6 +79,16 @@ def _chain(name: str, strippable: Sequence[str]) -> str:
         chain += head
 
 
+def without_prefixes(name: str) -> str:
+    """``name`` without the wrapper prefixes it starts with (a name or a pattern).
+
+    Example:
+        >>> without_prefixes("module._orig_mod.h.0.*")
+        'h.0.*'
+    """
+    return name[len(_chain(name, PREFIXES)) :]
+
+
 def prefix_rules(disk: Iterable[str], model: Iterable[str], rules: Sequence[Rule]) -> list[Rule]:
     """``rules``, extended to strip wrapper prefixes the model's names do not have.
 
