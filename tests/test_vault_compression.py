@@ -437,3 +437,19 @@ def test_jax_pytree_round_trips_through_a_compressed_vault(tmp_path: Path) -> No
     assert np.array_equal(np.asarray(got["dense"]["kernel"]), np.asarray(tree2["dense"]["kernel"]))
     assert vault.verify().ok
     assert weightvault.Vault(tmp_path).list()[-1].written_bytes < 64 * 64 * 4
+
+
+def test_decoded_objects_outlive_the_checkpoint_that_staged_them(tmp_path: Path) -> None:
+    # stage() decodes the objects it keeps into one shared mapping; a view of it that a
+    # caller still holds must keep its bytes after the checkpoint is closed.
+    model, _ = trained(0, width=512)  # 1 MiB weights: enough to decode into the mapping
+    vault = Vault(tmp_path / "v")
+    rec = vault.save(model)
+    assert any(f is not None for f in frames(tmp_path / "v", rec.name).values())
+    with vault.open("latest") as ckpt:
+        names = list(ckpt.stored)
+        ckpt.stage(names, verify=True)
+        views = {name: ckpt.raw(name) for name in names}
+    for name, view in views.items():
+        got = torch.frombuffer(bytearray(view), dtype=torch.float32)
+        assert torch.equal(got, model.state_dict()[name].flatten()), name
