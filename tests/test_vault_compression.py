@@ -453,3 +453,21 @@ def test_decoded_objects_outlive_the_checkpoint_that_staged_them(tmp_path: Path)
     for name, view in views.items():
         got = torch.frombuffer(bytearray(view), dtype=torch.float32)
         assert torch.equal(got, model.state_dict()[name].flatten()), name
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_a_load_leaves_blosc2s_gil_switch_as_it_found_it(tmp_path: Path, before: bool) -> None:
+    # Decoding turns python-blosc2's process-wide set_releasegil on while it runs; the
+    # caller's own setting must come back afterwards, whatever it was.
+    import blosc2
+
+    model, _ = trained(0, width=256)
+    vault = Vault(tmp_path / "v")
+    vault.save(model)
+    assert any(f is not None for f in frames(tmp_path / "v", vault.resolve()).values())
+    blosc2.set_releasegil(before)
+    try:
+        vault.load(trained(0, seed=1, width=256)[0])
+        assert blosc2.set_releasegil(False) is before
+    finally:
+        blosc2.set_releasegil(False)

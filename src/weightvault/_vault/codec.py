@@ -10,9 +10,10 @@ the GIL while it (de)compresses, so Python threads calling it run one at a time
 (measured: two threads compress no faster than one). A block of 1 MiB or more is instead
 compressed on blosc2's own C threads, one per core (:data:`THREADS`): on two cores, alone,
 1.6x faster than one thread; a save of GPT-2 small took 1.13 s against 1.20 s. Decoding
-stays on one thread: alone it is 3.4x faster on two, but inside a load (whose own
-threads overlap reads, checks and copies) one thread measured faster (10.3 ms against
-12.4 ms for the 13 MB model of docs/benchmarks.md section 11).
+stays on one blosc2 thread per call: alone it is 3.4x faster on two, but inside a load
+(whose own threads overlap reads, checks and copies) one thread measured faster (10.3 ms
+against 12.4 ms for the 13 MB model of docs/benchmarks.md section 11). A decode releases
+the GIL instead (:class:`_ReleasedGil`), so the load's threads decode on every core.
 
 Decoding is bounded: a block is decompressed only into a buffer of the size the frame
 and the checkpoint record agree on, and only after blosc2's own header says exactly that
