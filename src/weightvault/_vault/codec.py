@@ -144,9 +144,12 @@ def compress_block(codec: Codec, data: memoryview, itemsize: int) -> bytes | mem
 
 
 def decompress_block(
-    codec_id: int, src: bytes | memoryview, out: memoryview, itemsize: int
+    codec_id: int, src: bytes | memoryview, out: memoryview, itemsize: int, *, private: bool = False
 ) -> None:
     """Fill ``out`` (exactly the block's raw size) from block ``src``.
+
+    ``private`` says that nothing else can change ``src`` during the call (the caller
+    read it into a buffer of its own); other memory is copied first.
 
     Raises:
         ValueError: ``src`` is not a block of exactly ``out.nbytes`` raw bytes, or does
@@ -162,8 +165,10 @@ def decompress_block(
     b = _blosc2()
     # A private copy, so nothing can change it between check and use; bytes, and a view
     # of a buffer the caller filled for this call (a pread), are private already.
-    private = isinstance(src, bytes) or (
-        isinstance(src, memoryview) and isinstance(src.obj, bytes | bytearray)
+    private = (
+        private
+        or isinstance(src, bytes)
+        or (isinstance(src, memoryview) and isinstance(src.obj, bytes | bytearray))
     )
     packed = src if private else bytes(src)
     if len(packed) < _BLOSC_MAX_OVERHEAD:

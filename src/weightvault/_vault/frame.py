@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .._base.errors import FormatError
 from .codec import BLOCK, CODECS, STORED, Codec, codec_pool, compress_block, decompress_block
@@ -274,21 +274,21 @@ def decode_range(
         try:
             with memoryview(buffer)[: frame.lengths[i]] as src:
                 read_into(offsets[i], src)
-                _one(i, src)
+                _one(i, src, private=True)
         finally:
             _BUFFERS.give(buffer)
 
-    def _one(i: int, src: bytes | memoryview) -> None:
+    def _one(i: int, src: bytes | memoryview, *, private: bool = False) -> None:
         b_start = i * frame.block_size
         length = min(frame.block_size, frame.raw_size - b_start)
         lo, hi = max(start, b_start), min(end, b_start + length)
         target = out[lo - start : hi - start]
         # ``src`` goes on as it came: bytes from a pread are not copied again to decode.
         if not frame.kind and (lo, hi) == (b_start, b_start + length):
-            _decompress(frame, src, target)
+            _decompress(frame, src, target, private)
             return
         block = memoryview(bytearray(length))
-        _decompress(frame, src, block)
+        _decompress(frame, src, block, private)
         if frame.kind:
             apply_delta(target, block[lo - b_start : hi - b_start], frame.kind, frame.itemsize)
         else:
@@ -309,17 +309,21 @@ class _Buffers:
     """
 
     def __init__(self) -> None:
-        self._free: list[bytearray] = []
+        self._free: list[Any] = []
         self._lock = threading.Lock()
 
-    def take(self, n: int) -> bytearray:
+    def take(self, n: int) -> Any:
+        """A buffer of at least ``n`` bytes (a numpy array: a bytearray would be zeroed
+        first, several MiB of writes per load that a read overwrites anyway)."""
         with self._lock:
             for k, b in enumerate(self._free):
                 if len(b) >= n:
                     return self._free.pop(k)
-        return bytearray(max(n, BLOCK + 1024))
+        import numpy as np  # not at import: `import weightvault` stays numpy-free
 
-    def give(self, buffer: bytearray) -> None:
+        return np.empty(max(n, BLOCK + 1024), np.uint8)
+
+    def give(self, buffer: Any) -> None:
         with self._lock:
             self._free.append(buffer)
 
@@ -336,9 +340,9 @@ def drop_buffers() -> None:
     _BUFFERS.drop()
 
 
-def _decompress(frame: Frame, src: bytes | memoryview, out: memoryview) -> None:
+def _decompress(frame: Frame, src: bytes | memoryview, out: memoryview, private: bool) -> None:
     try:
-        decompress_block(frame.codec, src, out, frame.itemsize)
+        decompress_block(frame.codec, src, out, frame.itemsize, private=private)
     except ValueError as e:
         raise FormatError(str(e)) from None
 
