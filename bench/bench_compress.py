@@ -12,6 +12,8 @@ RNG state, fsynced). Then, from those checkpoints:
   every checkpoint and the full training state of the last (``training_state_last=1``),
   against the 10 Trainer-style folders; also with bf16 weights (fp32 master weights and
   moments as the optimizer state), and for several delta chain lengths K;
+- ``bound``: how few bytes any coder that codes weights one by one could reach on the
+  same run (``bench/_delta_bound.py``), and the 10-checkpoint ratio that implies;
 - ``time``: a synchronous ``vault.save`` of model + optimizer + scheduler + RNG against
   ``save_model`` + ``torch.save(optimizer.state_dict())`` (both fsynced), the background
   save's blocking time, and a load against ``load_model``.
@@ -37,7 +39,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 
 import _codec_compare as codecs
+import _delta_bound as bound
 import _train_lm as T
+import numpy as np
 import torch
 from _common import fsync_path, machine, table
 
@@ -137,6 +141,62 @@ def cmd_sizes(root: Path, scratch: Path, chains: list[int]) -> list[dict[str, An
     return rows
 
 
+def _fold(data: bytes) -> tuple[bytes, float]:
+    """fp32 words as magnitudes (the estimator's input) and the sign's entropy in bits."""
+    w = np.frombuffer(data, "<u4")
+    p = float((w >> 31).mean())
+    sign = 0.0 if p in (0.0, 1.0) else -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    return (w & np.uint32(0x7FFFFFFF)).tobytes(), sign
+
+
+def _full_floor(data: bytes) -> float:
+    mag, sign = _fold(data)
+    return bound.analyse(mag, wide=32)["fraction"] + sign / 32
+
+
+def cmd_bound(root: Path, scratch: Path) -> list[dict[str, Any]]:
+    """Per phase: the estimate for each delta between consecutive fp32 checkpoints, and
+    the least a 10-checkpoint vault (one full set of weights, nine deltas, the newest
+    AdamW moments) could take against the Trainer-style folders."""
+    rows = []
+    for phase, lr in (("a", "1e-3"), ("b", "3e-5")):
+        folders = T.checkpoints(root, phase)
+        bufs = [buffers(f) for f in folders]
+        weights = [b["fp32 weights"][0] for b in bufs]
+        n = len(weights[0])
+        deltas = []
+        for i in range(1, len(weights)):
+            d = bytes(make_delta(memoryview(weights[i]), weights[i - 1], DIFFERENCE, 4))
+            before = (
+                bytes(make_delta(memoryview(weights[i - 1]), weights[i - 2], DIFFERENCE, 4))
+                if i > 1
+                else None
+            )
+            deltas.append(bound.analyse(d, context=bound.context_of(weights[i - 1], before)))
+        full = _full_floor(weights[0]) * n
+        moments = sum(_full_floor(bufs[-1][k][0]) for k in ("fp32 exp_avg", "fp32 exp_avg_sq"))
+        trainer = trainer_bytes(folders, False, scratch)
+
+        fixed = full + moments * n  # the first weights and the newest moments
+
+        def least(key: str) -> float:
+            return (fixed + sum(d[key] for d in deltas) * n) / trainer  # noqa: B023
+
+        rows.append({
+            "lr": lr, "checkpoints": len(folders),
+            "delta_fraction": [round(d["fraction"], 4) for d in deltas],
+            "mean_bit_length": [round(d["mean_bit_length"], 2) for d in deltas],
+            "low_bits_min_entropy": min(d["low_bits_min_entropy"] for d in deltas),
+            "wide_share": max(d["wide_share"] for d in deltas),
+            "full_weights_fraction": full / n, "moments_fraction": moments / 2,
+            "least_ratio": least("fraction"),
+            "least_ratio_with_context": least("fraction_with_context"),
+            "least_ratio_length_free": least("fraction_length_free"),
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
 def _plain_save(folder: Path, model: Any, opt: Any) -> None:
     from safetensors.torch import save_model
 
@@ -211,7 +271,7 @@ def _load_times(model: Any, scratch: Path, rounds: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["train", "codecs", "sizes", "time", "all"])
+    ap.add_argument("what", choices=["train", "codecs", "sizes", "bound", "time", "all"])
     ap.add_argument("--dir", type=Path, help="the trained run (made by 'train')")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chains", default="0,1,2,4,8,16", help="delta chain lengths K to size")
@@ -240,6 +300,8 @@ def main() -> None:
         if args.what in ("sizes", "all"):
             chains = [int(k) for k in args.chains.split(",")]
             results["sizes"] = cmd_sizes(root, scratch, chains)
+        if args.what in ("bound", "all"):
+            results["bound"] = cmd_bound(root, scratch)
         if args.what in ("time", "all"):
             results["time"] = cmd_time(root, scratch, args.rounds)
             print(json.dumps(results["time"], indent=1), flush=True)
