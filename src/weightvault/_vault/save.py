@@ -26,7 +26,7 @@ from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
 from .checkpoint import VaultCheckpoint
 from .commit import begin, commit_record, each, release, store_missing, workers
-from .delta import Encoder, Storage
+from .delta import Encoder, Storage, delta_base
 from .objects import checksum, content_hash, is_temp
 from .records import VERSION, CheckpointRecord, parse_record, read_doc
 from .store import Store
@@ -93,8 +93,9 @@ def _address(pool: ThreadPoolExecutor, placed: Placed, progress: Progress | None
 def _bases(
     placed: Placed, digests: Mapping[str, str], storage: Storage, store: Store
 ) -> dict[str, str]:
-    """``{digest: base digest}``: each changed tensor's object in the parent checkpoint,
-    when it has the same name, dtype and shape there."""
+    """``{digest: base digest}``: for each changed tensor, its object in the parent
+    checkpoint (same name, dtype and shape), or the key object of that object's chain
+    once the chain is ``max_chain`` deep (:func:`~.delta.delta_base`)."""
     if storage.codec is None or storage.max_chain <= 0:
         return {}
     parent = storage.parent_tensors(store)
@@ -104,7 +105,9 @@ def _bases(
         if old is None or (old[1], old[2]) != (info.dtype, info.shape):
             continue
         if old[0] != digests[s.name] and (storage.training_deltas or not storage.training(s.name)):
-            out.setdefault(digests[s.name], old[0])
+            base = delta_base(store, storage.cache, old[0], info.nbytes, storage.max_chain)
+            if base is not None:
+                out.setdefault(digests[s.name], base)
     return out
 
 
