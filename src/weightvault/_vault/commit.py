@@ -127,8 +127,8 @@ def store_missing(
     """Step 3: write each object the vault lacks, durably; return ``{digest: file bytes}``
     of those written (a frame's compressed size, see :mod:`.delta`).
 
-    One existence check per object, concurrently on an object store (a round trip on
-    S3), one after another on a local disk (a stat each). Call it only
+    One existence check per object, concurrently: a round trip each on S3, and on a
+    network filesystem mounted as a local folder. Call it only
     after :func:`begin`: the check is what a concurrent gc's re-read relies on.
 
     Args:
@@ -145,12 +145,7 @@ def store_missing(
     pool = pool or workers()
     encoder = encoder or Encoder(store, CODECS[DEFAULT], {}, {})
     digests = list(objects)
-    if store.local:
-        # A stat (and, for a frame, a 64-byte pread) is microseconds on a local disk: on
-        # the calling thread it no longer queues for the GIL behind the pool's threads.
-        sizes = [stored_depth(store, d, objects[d][0]) for d in digests]
-    else:
-        sizes = each(pool, lambda d: stored_depth(store, d, objects[d][0]), digests)
+    sizes = each(pool, lambda d: stored_depth(store, d, objects[d][0]), digests)
     missing = [d for d, depth in zip(digests, sizes, strict=True) if depth is None]
     if writing is not None:
         writing(missing)
