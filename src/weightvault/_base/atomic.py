@@ -197,15 +197,17 @@ def syncfs(root: str) -> bool:
 def _temp_beside(path: str) -> tuple[int, str]:
     """A new temporary file in ``path``'s folder, named so that gc knows it as one.
 
-    Opened with ``O_EXCL`` under a name no other writer picks (this process's random tag
-    and a counter; a name taken anyway is skipped), with the ordinary mode ``0o644``
+    Opened for reading too, as ``mkstemp`` did (the Keras writers hand it to h5py, which
+    reads back what it wrote), with ``O_EXCL`` under a name no other writer picks (this
+    process's random tag and a counter; a name taken anyway is skipped), with the ordinary
+    mode ``0o644``
     less the umask, which the kernel applies. ``tempfile.mkstemp`` made it ``0o600`` and
     a ``chmod`` (and two ``umask`` calls, to read the mask) followed: three system calls
     and a moment of umask 0 for every thread of the process, per object a save writes.
     """
     folder = os.path.dirname(os.path.abspath(path))
     stem = os.path.join(folder, f".{os.path.basename(path)}.")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     flags |= getattr(os, "O_BINARY", 0)
     for _ in range(100):
         tmp = f"{stem}{_TAG[0]}{os.getpid():x}-{next(_COUNTER):x}.tmp"
