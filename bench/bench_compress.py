@@ -12,6 +12,8 @@ RNG state, fsynced). Then, from those checkpoints:
   every checkpoint and the full training state of the last (``training_state_last=1``),
   against the 10 Trainer-style folders; also with bf16 weights (fp32 master weights and
   moments as the optimizer state), and for several delta chain lengths K;
+- ``bound``: how few bytes any coder that codes weights one by one could reach on the
+  same run (``bench/_delta_bound.py``), and the 10-checkpoint ratio that implies;
 - ``time``: a synchronous ``vault.save`` of model + optimizer + scheduler + RNG against
   ``save_model`` + ``torch.save(optimizer.state_dict())`` (both fsynced), the background
   save's blocking time, and a load against ``load_model``.
@@ -37,7 +39,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 
 import _codec_compare as codecs
+import _delta_bound as bound
 import _train_lm as T
+import numpy as np
 import torch
 from _common import fsync_path, machine, table
 
@@ -137,6 +141,62 @@ def cmd_sizes(root: Path, scratch: Path, chains: list[int]) -> list[dict[str, An
     return rows
 
 
+def _fold(data: bytes) -> tuple[bytes, float]:
+    """fp32 words as magnitudes (the estimator's input) and the sign's entropy in bits."""
+    w = np.frombuffer(data, "<u4")
+    p = float((w >> 31).mean())
+    sign = 0.0 if p in (0.0, 1.0) else -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    return (w & np.uint32(0x7FFFFFFF)).tobytes(), sign
+
+
+def _full_floor(data: bytes) -> float:
+    mag, sign = _fold(data)
+    return bound.analyse(mag, wide=32)["fraction"] + sign / 32
+
+
+def cmd_bound(root: Path, scratch: Path) -> list[dict[str, Any]]:
+    """Per phase: the estimate for each delta between consecutive fp32 checkpoints, and
+    the least a 10-checkpoint vault (one full set of weights, nine deltas, the newest
+    AdamW moments) could take against the Trainer-style folders."""
+    rows = []
+    for phase, lr in (("a", "1e-3"), ("b", "3e-5")):
+        folders = T.checkpoints(root, phase)
+        bufs = [buffers(f) for f in folders]
+        weights = [b["fp32 weights"][0] for b in bufs]
+        n = len(weights[0])
+        deltas = []
+        for i in range(1, len(weights)):
+            d = bytes(make_delta(memoryview(weights[i]), weights[i - 1], DIFFERENCE, 4))
+            before = (
+                bytes(make_delta(memoryview(weights[i - 1]), weights[i - 2], DIFFERENCE, 4))
+                if i > 1
+                else None
+            )
+            deltas.append(bound.analyse(d, context=bound.context_of(weights[i - 1], before)))
+        full = _full_floor(weights[0]) * n
+        moments = sum(_full_floor(bufs[-1][k][0]) for k in ("fp32 exp_avg", "fp32 exp_avg_sq"))
+        trainer = trainer_bytes(folders, False, scratch)
+
+        fixed = full + moments * n  # the first weights and the newest moments
+
+        def least(key: str) -> float:
+            return (fixed + sum(d[key] for d in deltas) * n) / trainer  # noqa: B023
+
+        rows.append({
+            "lr": lr, "checkpoints": len(folders),
+            "delta_fraction": [round(d["fraction"], 4) for d in deltas],
+            "mean_bit_length": [round(d["mean_bit_length"], 2) for d in deltas],
+            "low_bits_min_entropy": min(d["low_bits_min_entropy"] for d in deltas),
+            "wide_share": max(d["wide_share"] for d in deltas),
+            "full_weights_fraction": full / n, "moments_fraction": moments / 2,
+            "least_ratio": least("fraction"),
+            "least_ratio_with_context": least("fraction_with_context"),
+            "least_ratio_length_free": least("fraction_length_free"),
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
 def _plain_save(folder: Path, model: Any, opt: Any) -> None:
     from safetensors.torch import save_model
 
@@ -180,8 +240,57 @@ def cmd_time(root: Path, scratch: Path, rounds: int) -> dict[str, Any]:
                     handle.wait()
             times.setdefault(name, []).append(time.perf_counter() - t0)
     out = {name: min(ts) for name, ts in times.items()}
+    out.update(_cpu_floor(*states[-1][:2], states[-2][0]))
     out.update(_load_times(states[-1][0], scratch, rounds))
     return out
+
+
+def _cpu_floor(model: Any, opt: Any, parent: Any) -> dict[str, float]:
+    """The CPU seconds any vault save of this checkpoint spends before it writes a byte:
+    naming every tensor by its blake3 (content addressing) and compressing it (the
+    weights as differences to the checkpoint before, the moments in full). CPU seconds of
+    the whole process (blake3 and blosc2 use threads of their own), minimum of 3;
+    divided by the cores, the least wall time a save can take."""
+    from weightvault._vault.codec import BLOCK, CODECS, DEFAULT, compress_block
+    from weightvault._vault.objects import content_hash
+
+    weights = [p.detach().contiguous().view(torch.uint8).numpy() for p in model.parameters()]
+    old = [p.detach().contiguous().view(torch.uint8).numpy() for p in parent.parameters()]
+    moments = [
+        t.contiguous().view(torch.uint8).numpy()
+        for st in opt.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor) and t.ndim > 0
+    ]
+    deltas = [
+        memoryview(make_delta(memoryview(w), o.tobytes(), DIFFERENCE, 4))
+        for w, o in zip(weights, old, strict=True)
+    ]
+    codec = CODECS[DEFAULT]
+
+    def hashing() -> None:
+        for a in [*weights, *moments]:
+            content_hash(memoryview(a))
+
+    def compressing() -> None:
+        for buf in [*deltas, *(memoryview(m) for m in moments)]:
+            for lo in range(0, buf.nbytes, BLOCK):
+                compress_block(codec, buf[lo : lo + BLOCK], 4)
+
+    spent = {}
+    for name, fn in (("hash", hashing), ("compress", compressing)):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            fn()
+            best = min(best, time.process_time() - t0)
+        spent[name] = best
+    cores = os.cpu_count() or 1
+    return {
+        "cpu hash s": spent["hash"],
+        "cpu compress s": spent["compress"],
+        "cpu floor s (both, over all cores)": (spent["hash"] + spent["compress"]) / cores,
+    }
 
 
 def _load_times(model: Any, scratch: Path, rounds: int) -> dict[str, float]:
@@ -206,12 +315,38 @@ def _load_times(model: Any, scratch: Path, rounds: int) -> dict[str, float]:
             t0 = time.perf_counter()
             contenders[name]()
             times[name].append(time.perf_counter() - t0)
-    return {name: min(ts) for name, ts in times.items()}
+    out = {name: min(ts) for name, ts in times.items()}
+    out["cpu decode s (over all cores)"] = _decode_floor(model)
+    return out
+
+
+def _decode_floor(model: Any) -> float:
+    """The CPU seconds that decompressing and checksumming this model's compressed
+    objects takes (minimum of 3), over the cores: the least a verified load of them can
+    take before it copies a byte."""
+    from weightvault._vault.codec import BLOCK, CODECS, DEFAULT, compress_block, decompress_block
+    from weightvault._vault.objects import checksum
+
+    codec = CODECS[DEFAULT]
+    blocks = []
+    for p in model.state_dict().values():
+        raw = memoryview(p.contiguous().view(torch.uint8).numpy()).cast("B")
+        for lo in range(0, raw.nbytes, BLOCK):
+            part = raw[lo : lo + BLOCK]
+            blocks.append((bytes(compress_block(codec, part, 4)), bytearray(part.nbytes)))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.process_time()
+        for packed, out in blocks:
+            decompress_block(codec.id, packed, memoryview(out), 4)
+            checksum(out)
+        best = min(best, time.process_time() - t0)
+    return best / (os.cpu_count() or 1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["train", "codecs", "sizes", "time", "all"])
+    ap.add_argument("what", choices=["train", "codecs", "sizes", "bound", "time", "all"])
     ap.add_argument("--dir", type=Path, help="the trained run (made by 'train')")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chains", default="0,1,2,4,8,16", help="delta chain lengths K to size")
@@ -240,6 +375,8 @@ def main() -> None:
         if args.what in ("sizes", "all"):
             chains = [int(k) for k in args.chains.split(",")]
             results["sizes"] = cmd_sizes(root, scratch, chains)
+        if args.what in ("bound", "all"):
+            results["bound"] = cmd_bound(root, scratch)
         if args.what in ("time", "all"):
             results["time"] = cmd_time(root, scratch, args.rounds)
             print(json.dumps(results["time"], indent=1), flush=True)

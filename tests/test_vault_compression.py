@@ -193,7 +193,9 @@ def test_raw_bytes_that_look_like_a_frame_are_stored_unambiguously(tmp_path: Pat
 # -- delta objects -------------------------------------------------------------------------
 
 
-def test_changed_tensors_are_deltas_with_a_full_object_every_k_saves(tmp_path: Path) -> None:
+def test_changed_tensors_are_deltas_and_a_deep_chain_restarts_from_its_key_object(
+    tmp_path: Path,
+) -> None:
     model, opt = trained(1)
     vault = Vault(tmp_path, delta_chain=2)
     saved = []
@@ -201,14 +203,41 @@ def test_changed_tensors_are_deltas_with_a_full_object_every_k_saves(tmp_path: P
         step(model, opt)
         vault.save(model, optimizer=opt)
         saved.append((snapshot(model), optimizer_state(opt)))
-    depths = [frames(tmp_path, r.name)["0.weight"] for r in vault.list()]
-    assert [f.depth for f in depths] == [0, 1, 2, 0, 1, 2, 0]
-    assert all(f.base is None for f in depths[::3])
-    for rec, (weights, state) in zip(vault.list(), saved, strict=True):
+    records = vault.list()
+    depths = [frames(tmp_path, r.name)["0.weight"] for r in records]
+    # At depth 2 the next delta is taken against the chain's full object, at depth 1.
+    assert [f.depth for f in depths] == [0, 1, 2, 1, 2, 1, 2]
+    key = json.loads((tmp_path / "checkpoints" / f"{records[0].name}.json").read_text())
+    assert depths[3].base == depths[5].base == key["objects"]["0.weight"]
+    for rec, (weights, state) in zip(records, saved, strict=True):
         fresh, fresh_opt = trained(0, seed=9)
         vault.load(fresh, rec.name, optimizer=fresh_opt)
         assert_bitwise(snapshot(fresh), weights)
         assert_bitwise(optimizer_state(fresh_opt), state)
+    assert vault.verify().ok
+    # Only the newest kept: gc keeps the key object its chain ends at.
+    vault.retain(keep_last=1)
+    vault.gc()
+    assert object_file(tmp_path, key["objects"]["0.weight"]).exists()
+    fresh, fresh_opt = trained(0, seed=9)
+    vault.load(fresh, "latest", optimizer=fresh_opt)
+    assert_bitwise(snapshot(fresh), saved[-1][0])
+    assert vault.verify().ok
+
+
+def test_a_deep_chain_restarts_in_full_when_its_key_object_is_too_far(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(64 << 10, generator=g)
+    vault = Vault(tmp_path, delta_chain=1)
+    vault.save({"w": noise})
+    vault.save({"w": noise + 1e-6})  # depth 1: the deepest this vault writes
+    calm = torch.full((64 << 10,), 0.5)  # compresses to almost nothing; noise minus it does not
+    vault.save({"w": calm})
+    assert [frames(tmp_path, r.name)["w"].depth for r in vault.list()] == [0, 1, 0]
+    assert frames(tmp_path, vault.list()[-1].name)["w"].base is None
+    for rec, want in zip(vault.list(), [noise, noise + 1e-6, calm], strict=True):
+        with vault.open(rec.name) as ckpt:
+            assert bytes(ckpt.raw("w")) == want.numpy().tobytes()
     assert vault.verify().ok
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+from .pools import LazyPool
 
 
 @dataclass
@@ -66,7 +68,6 @@ def atomic_file(
     out = AtomicFile(fd)
     try:
         yield out
-        os.fchmod(fd, 0o644 & ~_umask())
         os.fsync(fd)
         os.close(fd)
         out.fd = -1
@@ -101,7 +102,6 @@ def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview
     try:
         for part in [data] if isinstance(data, bytes | memoryview) else data:
             write_all(fd, part)
-        os.fchmod(fd, 0o644 & ~_umask())
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
@@ -155,7 +155,6 @@ def _others_dirty(own_bytes: int) -> int:
 def fsync_all(paths: Iterable[str]) -> None:
     """fsync each of ``paths`` (files or folders), several at a time: concurrent fsyncs
     share the disk's journal commits."""
-    from concurrent.futures import ThreadPoolExecutor
 
     def one(path: str) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -169,8 +168,13 @@ def fsync_all(paths: Iterable[str]) -> None:
         for path in paths:
             one(path)
         return
-    with ThreadPoolExecutor(min(16, len(paths))) as pool:
-        list(pool.map(one, paths))
+    # Threads kept for the process: a new pool of 16 per call cost more than the fsyncs
+    # of a small save (a thread start is about 1.7 ms here, see _base.pools).
+    list(_fsyncers().map(one, paths))
+
+
+#: Threads that wait in fsync; they use no CPU, so there are more than cores.
+_fsyncers = LazyPool(16, "weightvault-fsync")
 
 
 def syncfs(root: str) -> bool:
@@ -191,12 +195,29 @@ def syncfs(root: str) -> bool:
 
 
 def _temp_beside(path: str) -> tuple[int, str]:
-    """A new temporary file in ``path``'s folder, named so that gc knows it as one."""
+    """A new temporary file in ``path``'s folder, named so that gc knows it as one.
+
+    Opened for reading too, as ``mkstemp`` did (the Keras writers hand it to h5py, which
+    reads back what it wrote), with ``O_EXCL`` under a name no other writer picks (this
+    process's random tag and a counter; a name taken anyway is skipped), with the ordinary
+    mode ``0o644``
+    less the umask, which the kernel applies. ``tempfile.mkstemp`` made it ``0o600`` and
+    a ``chmod`` (and two ``umask`` calls, to read the mask) followed: three system calls
+    and a moment of umask 0 for every thread of the process, per object a save writes.
+    """
     folder = os.path.dirname(os.path.abspath(path))
-    return tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    stem = os.path.join(folder, f".{os.path.basename(path)}.")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    flags |= getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = f"{stem}{_TAG[0]}{os.getpid():x}-{next(_COUNTER):x}.tmp"
+        try:
+            return os.open(tmp, flags, 0o644), tmp
+        except FileExistsError:
+            _TAG[0] = os.urandom(4).hex()  # someone holds this tag: take another
+    raise FileExistsError(f"{folder}: could not create a temporary file beside {path}")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+#: This process's part of temporary names (renewed if it ever collides), and a counter.
+_TAG = [os.urandom(4).hex()]
+_COUNTER = itertools.count()

@@ -127,7 +127,8 @@ def store_missing(
     """Step 3: write each object the vault lacks, durably; return ``{digest: file bytes}``
     of those written (a frame's compressed size, see :mod:`.delta`).
 
-    One existence check per object, concurrently (a round trip on S3). Call it only
+    One existence check per object, concurrently: a round trip each on S3, and on a
+    network filesystem mounted as a local folder. Call it only
     after :func:`begin`: the check is what a concurrent gc's re-read relies on.
 
     Args:

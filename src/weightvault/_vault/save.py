@@ -6,8 +6,11 @@ found, as for a single file), hash each one once on every core, commit through
 with the xxh3 checksum of every tensor, which loads check.
 
 Checksums cost a pass over the bytes, so they are known by object: a present object's
-checksum comes from this process's earlier saves (:class:`Checksums`) or the newest
-records, and only new objects (and present ones no recent record names) are read again.
+checksum comes from this process's earlier saves (:class:`Checksums`) or, in its first
+save, from the newest records. Other objects are checksummed right after they are
+hashed, while their bytes are still in the CPU's caches (in the first save, which reads
+the records only once the objects are written, they are checksummed as they are
+written, a second pass).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
 from .checkpoint import VaultCheckpoint
 from .commit import begin, commit_record, each, release, store_missing, workers
-from .delta import Encoder, Storage
+from .delta import Encoder, Storage, delta_base
 from .objects import checksum, content_hash, is_temp
 from .records import VERSION, CheckpointRecord, parse_record, read_doc
 from .store import Store
@@ -45,8 +48,12 @@ class Checksums(dict[str, str]):
     """``{blake3 object name: xxh3 checksum}`` of every object a vault instance has seen.
 
     The checksum is a function of the bytes the name is the hash of, so it never goes
-    stale, whatever gc or other writers do to the vault.
+    stale, whatever gc or other writers do to the vault. ``consulted`` says whether the
+    records were read for it yet: until then a save leaves the checksums it lacks to
+    :meth:`learn`, since a resumed run (a new instance) finds most there.
     """
+
+    consulted: bool = False
 
     def learn(self, store: Store, wanted: Iterable[str]) -> None:
         """Add what the newest records say about the ``wanted`` objects.
@@ -78,23 +85,61 @@ class Checksums(dict[str, str]):
                 return
 
 
-def _address(pool: ThreadPoolExecutor, placed: Placed, progress: Progress | None) -> dict[str, str]:
+def _address(
+    pool: ThreadPoolExecutor, placed: Placed, sums: Checksums, progress: Progress | None
+) -> dict[str, str]:
     """Every stored tensor's object name: each byte is hashed exactly once, on all cores.
 
     No tensor is skipped as "unchanged": a version counter misses writes made through
-    ``.data``, so only the bytes themselves can say whether a tensor changed.
+    ``.data``, so only the bytes themselves can say whether a tensor changed. An object
+    whose checksum is not known yet is checksummed right after its hash, while its bytes
+    are still in the CPU's caches: a second pass when it is written read them all from
+    memory again. The first save of a :class:`Checksums` leaves that to :func:`_store`
+    (which checksums what it writes) and :func:`_checksum_rest` (the newest records, for
+    the objects the vault holds).
     """
     stored = [s for s, _ in placed]
     done = (lambda s: progress(s.nbytes)) if progress else None
-    hashes = each(pool, lambda s: content_hash(s.data()), stored, done)
+    now = sums.consulted
+
+    def both(s: Stored) -> str:
+        view = memoryview(s.data()).cast("B")
+        digest = content_hash(view)
+        if now and digest not in sums:
+            sums[digest] = checksum(view)
+        return digest
+
+    hashes = each(pool, both, stored, done)
     return {s.name: h for s, h in zip(stored, hashes, strict=True)}
+
+
+def _checksum_rest(
+    store: Store,
+    pool: ThreadPoolExecutor,
+    placed: Placed,
+    digests: Mapping[str, str],
+    sums: Checksums,
+) -> None:
+    """Learn the checksums :func:`_address` left out: from the newest records, else by a
+    pass over the bytes."""
+    first: dict[str, Stored] = {}
+    for s, _ in placed:
+        first.setdefault(digests[s.name], s)
+    sums.learn(store, first)
+    sums.consulted = True
+    unknown = [d for d in first if d not in sums]
+    for digest, value in zip(
+        unknown, each(pool, lambda d: checksum(first[d].data()), unknown), strict=True
+    ):
+        sums[digest] = value
 
 
 def _bases(
     placed: Placed, digests: Mapping[str, str], storage: Storage, store: Store
 ) -> dict[str, str]:
-    """``{digest: base digest}``: each changed tensor's object in the parent checkpoint,
-    when it has the same name, dtype and shape there."""
+    """``{digest: base digest}``: for each changed tensor, its object in the parent
+    checkpoint (same name, dtype and shape), or the key object of that object's chain
+    once the chain is ``max_chain`` deep (:func:`~.delta.delta_base`)."""
     if storage.codec is None or storage.max_chain <= 0:
         return {}
     parent = storage.parent_tensors(store)
@@ -104,7 +149,9 @@ def _bases(
         if old is None or (old[1], old[2]) != (info.dtype, info.shape):
             continue
         if old[0] != digests[s.name] and (storage.training_deltas or not storage.training(s.name)):
-            out.setdefault(digests[s.name], old[0])
+            base = delta_base(store, storage.cache, old[0], info.nbytes, storage.max_chain)
+            if base is not None:
+                out.setdefault(digests[s.name], base)
     return out
 
 
@@ -138,8 +185,8 @@ def _store(
     encoder: Encoder,
     progress: Progress | None = None,
 ) -> tuple[int, int]:
-    """Write the objects the vault lacks and learn every checksum; return the new raw
-    bytes and the bytes their files hold.
+    """Write the objects the vault lacks; return the new raw bytes and the bytes their
+    files hold. Checksums :func:`_address` left out are taken as the objects are written.
 
     A ``progress`` with a ``phase`` method (the bar of ``save(progress=True)``) then
     counts the raw bytes compressed and written, from zero; a plain callable hears only
@@ -150,8 +197,8 @@ def _store(
         first.setdefault(digests[s.name], s)
 
     def wrote(digest: str, data: memoryview | bytes) -> None:
-        if digest not in sums:
-            sums[digest] = checksum(data)  # the bytes just written, read once
+        if digest not in sums:  # a first save: the bytes just written, read once
+            sums[digest] = checksum(data)
 
     phase = getattr(progress, "phase", None)  # a bar counts the writing from zero
 
@@ -173,12 +220,6 @@ def _store(
         writing=writing,
         written=written,
     )
-    sums.learn(store, first)
-    unknown = [d for d in first if d not in sums]
-    for digest, value in zip(
-        unknown, each(pool, lambda d: checksum(first[d].data()), unknown), strict=True
-    ):
-        sums[digest] = value
     return sum(first[d].nbytes for d in new), sum(new.values())
 
 
@@ -234,13 +275,14 @@ def save_sources(
     p = with_training(plan(sources), training)
     placed = layout(p.stored)
     pool = workers()
-    digests = _address(pool, placed, progress)
+    digests = _address(pool, placed, sums, progress)
     bases = _bases(placed, digests, storage, store)
     # The intent names the bases too: gc keeps them while this save XORs against them.
     intent = begin(store, [*digests.values(), *bases.values()], gc_wait=gc_wait)
     encoder = _encoder(store, storage, placed, digests, bases)
     try:
         new_bytes, written = _store(store, pool, placed, digests, sums, encoder, progress)
+        _checksum_rest(store, pool, placed, digests, sums)
         doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
         doc["written_bytes"] = written
         name = commit_record(store, doc, name)
