@@ -148,7 +148,7 @@ def compress_block(codec: Codec, data: memoryview, itemsize: int) -> bytes | mem
             clevel=codec.level,
             codec=b.Codec.ZSTD,
             filters=[b.Filter.SHUFFLE],
-            nthreads=_threads(data.nbytes),  # the GIL is held: parallel only inside blosc2
+            nthreads=_threads(data.nbytes),  # large blocks on blosc2's own threads too
         )
     )
 
