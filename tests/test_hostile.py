@@ -1,19 +1,16 @@
 """Hostile input for the reader: every malformed file is a FormatError, raised quickly.
 
-Files are crafted by hand, byte by byte, so each case exercises exactly one check. The
-readers under test are ``open_checkpoint``, ``weightvault.inspect``, ``weightvault.verify``
-(which reports instead of raising) and, when PyTorch is installed, ``load_file``.
+Files are crafted by hand, byte by byte (``_hostile_files.py``), so each case exercises
+exactly one check. The readers under test are ``open_checkpoint``, ``weightvault.inspect``,
+``weightvault.verify`` (which reports instead of raising) and, when PyTorch is installed,
+``load_file``. Damaged files, sizes and the command line have their own modules:
+``test_hostile_damage.py``, ``test_hostile_limits.py`` and ``test_hostile_cli.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import re
-import signal
 import struct
-import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -21,45 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 import weightvault
+from _hostile_files import (
+    TWO,
+    TWO_DATA,
+    _write,
+    blob,
+    entry,
+    needs_alarm,
+    needs_torch,
+    time_limit,
+    with_manifest,
+    wvt,
+)
 from weightvault.formats._registry import open_checkpoint
-
-try:
-    import torch
-
-    import weightvault.torch as wvt
-except ImportError:  # pragma: no cover - the framework-free cases still run
-    torch = None  # type: ignore[assignment]
-    wvt = None  # type: ignore[assignment]
-
-needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch is not installed")
-
-# ---------------------------------------------------------------------------------------
-# Building files by hand
-# ---------------------------------------------------------------------------------------
-
-
-def blob(header: dict[str, Any] | bytes, data: bytes = b"", *, length: int | None = None) -> bytes:
-    """An 8-byte little-endian length, the header bytes, then ``data``."""
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode("utf-8")
-    n = len(raw) if length is None else length
-    return struct.pack("<Q", n) + raw + data
-
-
-def entry(dtype: str, shape: list[Any], start: int, end: int) -> dict[str, Any]:
-    return {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
-
-
-def with_manifest(manifest: dict[str, Any] | str, tensors: dict[str, Any], **extra: str):
-    text = manifest if isinstance(manifest, str) else json.dumps(manifest)
-    return {"__metadata__": {"weightvault": text, **extra}, **tensors}
-
-
-#: One stored F32[2] tensor "a" and one U8[4] tensor "b": 12 data bytes.
-TWO = {"a": entry("F32", [2], 0, 8), "b": entry("U8", [4], 8, 12)}
-TWO_DATA = bytes(range(12))
 
 
 def _open(path: Path) -> Any:
@@ -91,9 +64,11 @@ READERS: list[Any] = [
     pytest.param(_load_file_mmap, id="load_file_mmap", marks=needs_torch),
 ]
 
+
 # ---------------------------------------------------------------------------------------
 # The cases: (file bytes, regex the message must match)
 # ---------------------------------------------------------------------------------------
+
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 DEEP_OBJ = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
@@ -496,12 +471,6 @@ CASES: dict[str, tuple[bytes, str]] = {
 FAST_S = 2.0
 
 
-def _write(tmp_path: Path, data: bytes, name: str = "hostile.safetensors") -> Path:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return path
-
-
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hostile_file_is_a_format_error(
@@ -633,29 +602,6 @@ def test_foreign_alias_cycles_are_plain_metadata(tmp_path: Path, case: str) -> N
         assert out["real"] is out["a"]
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float):  # type: ignore[no-untyped-def]
-    """Interrupt the block with TimeoutError after ``seconds`` of CPU time, or ten times
-    that of wall time (a hang fails, not blocks). CPU time, because a loaded CI machine
-    stretches wall time several-fold while the work itself stays the same."""
-
-    def alarm(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"still running after {seconds} s of CPU time (or {10 * seconds} s)")
-
-    old_real = signal.signal(signal.SIGALRM, alarm)
-    old_prof = signal.signal(signal.SIGPROF, alarm)
-    signal.setitimer(signal.ITIMER_REAL, 10 * seconds)
-    signal.setitimer(signal.ITIMER_PROF, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.setitimer(signal.ITIMER_PROF, 0)
-        signal.signal(signal.SIGALRM, old_real)
-        signal.signal(signal.SIGPROF, old_prof)
-
-
-needs_alarm = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
 #: A linear reader handles these headers (under 1 MB) in milliseconds.
 SLOW_S = 2.0
 
@@ -687,314 +633,6 @@ def test_directory_is_a_format_error(tmp_path: Path) -> None:
     assert weightvault.verify(tmp_path).ok is False
 
 
-# ---------------------------------------------------------------------------------------
-# Cases that only a framework can hit: the header is valid, but materializing is not
-# ---------------------------------------------------------------------------------------
-
-
-@needs_torch
-def test_zero_size_tensor_with_overflowing_dims(tmp_path: Path) -> None:
-    path = _write(tmp_path, blob({"a": entry("F32", [2**62, 2**62, 0], 0, 0)}))
-    # Zero bytes match a zero span, but no framework can hold the shape: refused up front.
-    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
-        weightvault.inspect(path)
-    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
-        _load_file(path)
-
-
-@needs_torch
-def test_zero_size_view_with_overflowing_dims(tmp_path: Path) -> None:
-    manifest = {"version": 1, "views": {"v": ["b", "U8", [2**62, 2**62, 0], [1, 1, 1], 0]}}
-    path = _write(tmp_path, blob(with_manifest(manifest, TWO), TWO_DATA))
-    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
-        weightvault.inspect(path)
-    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
-        _load_file(path)
-
-
-# ---------------------------------------------------------------------------------------
-# Checksums: damage after saving is found, named, and never reaches a model
-# ---------------------------------------------------------------------------------------
-
-
-def _flip_byte_of(path: Path, stored: str, index: int = 0) -> None:
-    with open_checkpoint(path) as ckpt:
-        info = ckpt.stored[stored]
-        assert info.nbytes > index
-        at = ckpt.header.data_start + info.start + index
-    with open(path, "r+b") as f:
-        f.seek(at)
-        (byte,) = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte ^ 0x01]))
-
-
-@needs_torch
-def test_flipped_byte_is_caught_and_named(tmp_path: Path) -> None:
-    assert torch is not None and wvt is not None
-    torch.manual_seed(0)
-
-    def build() -> torch.nn.Module:
-        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-        m[2].weight = torch.nn.Parameter(m[0].weight.detach().t().clone())
-        m.register_buffer("steps", torch.tensor(7))
-        return m
-
-    saved = build()
-    path = tmp_path / "model.safetensors"
-    wvt.save(saved, path)
-    assert weightvault.verify(path).ok
-
-    _flip_byte_of(path, "2.weight", index=37)
-
-    report = weightvault.verify(path)
-    assert report.ok is False
-    assert len(report.problems) == 1
-    assert "'2.weight'" in report.problems[0]
-    assert "checksum mismatch" in report.problems[0]
-
-    target = build()  # different random values from the file
-    with torch.no_grad():
-        for p in target.parameters():
-            p.add_(1.0)
-    before = {k: v.detach().clone() for k, v in target.state_dict().items()}
-    with pytest.raises(weightvault.ChecksumError, match=r"2\.weight") as info:
-        wvt.load(target, path, verify=True)
-    assert info.value.names == ["2.weight"]
-    assert isinstance(info.value, weightvault.FormatError)
-    after = target.state_dict()
-    assert before.keys() == after.keys()
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
-
-    with pytest.raises(weightvault.ChecksumError, match=r"2\.weight"):
-        wvt.load_file(path, verify=True)
-    # Without verify the damage is not looked for, and the undamaged tensors are intact.
-    loaded = wvt.load_file(path)
-    assert torch.equal(loaded["0.weight"], saved[0].weight.detach())
-    assert not torch.equal(loaded["2.weight"], saved[2].weight.detach())
-
-
-@needs_torch
-def test_flipped_byte_in_tied_tensor_names_the_stored_tensor(tmp_path: Path) -> None:
-    assert torch is not None and wvt is not None
-    emb = torch.nn.Embedding(10, 4)
-    head = torch.nn.Linear(4, 10, bias=False)
-    head.weight = emb.weight
-    model = torch.nn.ModuleDict({"emb": emb, "head": head})
-    path = tmp_path / "tied.safetensors"
-    wvt.save(model, path)
-    assert weightvault.inspect(path).aliases == {"head.weight": "emb.weight"}
-    _flip_byte_of(path, "emb.weight", index=5)
-    report = weightvault.verify(path)
-    assert not report.ok
-    assert "'emb.weight'" in report.problems[0]
-    fresh = torch.nn.ModuleDict(
-        {"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)}
-    )
-    fresh.head.weight = fresh.emb.weight
-    before = fresh.emb.weight.detach().clone()
-    with pytest.raises(weightvault.ChecksumError, match=r"emb\.weight"):
-        wvt.load(fresh, path, verify=True)
-    assert torch.equal(fresh.emb.weight.detach(), before)
-
-
-# ---------------------------------------------------------------------------------------
-# Fuzz: a damaged valid file loads or is a FormatError, never anything else
-# ---------------------------------------------------------------------------------------
-
-
-def _valid_file() -> bytes:
-    """A small weightvault file with an alias, a copy, views, frozen names and metadata."""
-    assert torch is not None and wvt is not None
-    g = torch.Generator().manual_seed(1)
-    base = torch.randn(3, 4, generator=g)
-    tensors = {
-        "w": base,
-        "w_tied": base,
-        "w_t": base.t(),
-        "w_copy": base.clone(),
-        "b": torch.arange(5, dtype=torch.int16),
-        "flag": torch.tensor(True),
-        "half": torch.randn(2, 2, generator=g).to(torch.bfloat16),
-        "empty": torch.zeros(0, 2),
-    }
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "v.safetensors")
-        wvt.save(tensors, p, metadata={"step": "3"})
-        with open(p, "rb") as f:
-            return f.read()
-
-
-_VALID: bytes | None = None
-
-
-def _valid() -> bytes:
-    global _VALID
-    if _VALID is None:
-        _VALID = _valid_file()
-    return _VALID
-
-
-@st.composite
-def damaged(draw: st.DrawFn) -> bytes:
-    data = bytearray(_valid())
-    header_end = 8 + struct.unpack("<Q", data[:8])[0]
-    for _ in range(draw(st.integers(0, 4))):
-        # Mostly hit the header, where every byte means something.
-        hi = draw(st.sampled_from([header_end, len(data)])) - 1
-        at = draw(st.integers(0, hi))
-        kind = draw(st.sampled_from(["set", "flip", "delete", "insert"]))
-        if kind == "set":
-            data[at] = draw(st.sampled_from(b'0123456789-[]{}",:.eE ') | st.integers(0, 255))
-        elif kind == "flip":
-            data[at] ^= 1 << draw(st.integers(0, 7))
-        elif kind == "delete":
-            del data[at]
-        else:
-            data.insert(at, draw(st.integers(0, 255)))
-    if draw(st.booleans()):
-        data = data[: draw(st.integers(0, len(data)))]
-    return bytes(data)
-
-
-@needs_torch
-@settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(data=damaged())
-def test_fuzzed_file_loads_or_is_a_format_error(tmp_path: Path, data: bytes) -> None:
-    assert wvt is not None
-    path = _write(tmp_path, data, "fuzz.safetensors")
-    for read in (
-        weightvault.inspect,
-        wvt.load_file,
-        lambda p: wvt.load_file(p, mmap=True, verify=True),
-    ):
-        with contextlib.suppress(weightvault.FormatError):
-            read(path)
-    report = weightvault.verify(path)  # never raises: damage is reported
-    assert isinstance(report.ok, bool)
-
-
-# ---------------------------------------------------------------------------------------
-# Tiny files that describe gigabytes: refused before anything is allocated
-# ---------------------------------------------------------------------------------------
-
-
-def _stride0_view(n: int) -> bytes:
-    """One stored F32 and a view that repeats it ``n`` times (stride 0): 4 data bytes."""
-    manifest = {"version": 1, "views": {"v": ["a", "F32", [n], [0], 0]}}
-    return blob(with_manifest(manifest, {"a": entry("F32", [1], 0, 4)}), b"\0\0\x80?")
-
-
-def test_stride0_view_of_2_28_elements_is_refused_by_eager_reads(tmp_path: Path) -> None:
-    import weightvault.numpy as wvn
-
-    path = _write(tmp_path, _stride0_view(2**28))
-    assert path.stat().st_size < 320
-    tracemalloc.start()
-    try:
-        with pytest.raises(weightvault.FormatError, match=r"would allocate 1073741832 bytes") as e:
-            wvn.load_file(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 10 << 20, peak
-    assert str(path) in str(e.value) and "max_bytes" in str(e.value)
-    # The header alone is fine: inspect and verify describe it without reading values.
-    assert weightvault.inspect(path).tensors["v"].nbytes == 2**30
-    assert weightvault.verify(path).ok
-
-
-def test_stride0_view_reads_when_the_caller_raises_the_limit(tmp_path: Path) -> None:
-    import numpy as np
-
-    import weightvault.numpy as wvn
-
-    path = _write(tmp_path, _stride0_view(2**20))
-    with pytest.raises(weightvault.FormatError, match=r"more than the 1000-byte limit"):
-        wvn.load_file(path, max_bytes=1000)
-    out = wvn.load_file(path, max_bytes=8 << 20)
-    assert out["v"].shape == (2**20,) and np.all(out["v"] == 1.0)
-
-
-def test_one_environment_variable_sets_every_cap(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """WEIGHTVAULT_MAX_DECODED_BYTES limits eager safetensors reads as it limits the
-    foreign readers, both ways: lower than the default, and higher."""
-    import weightvault.numpy as wvn
-
-    path = _write(tmp_path, _stride0_view(2**20))
-    monkeypatch.setenv("WEIGHTVAULT_MAX_DECODED_BYTES", "1000")
-    with pytest.raises(weightvault.FormatError, match="WEIGHTVAULT_MAX_DECODED_BYTES"):
-        wvn.load_file(path)
-    big = _write(tmp_path, _stride0_view(2**26 + 2**24), name="big.safetensors")
-    with pytest.raises(weightvault.FormatError):
-        monkeypatch.delenv("WEIGHTVAULT_MAX_DECODED_BYTES")
-        wvn.load_file(big)  # 320 MiB from a few hundred bytes: over the default
-    monkeypatch.setenv("WEIGHTVAULT_MAX_DECODED_BYTES", str(1 << 30))
-    assert wvn.load_file(big)["v"].shape == (2**26 + 2**24,)
-
-
-@needs_torch
-def test_torch_reads_a_stride0_view_lazily(tmp_path: Path) -> None:
-    """A view of its base allocates nothing, so torch reads what numpy must refuse."""
-    assert wvt is not None
-    path = _write(tmp_path, _stride0_view(2**28))
-    for mmap in (False, True):
-        out = wvt.load_file(path, mmap=mmap)
-        assert out["v"].shape == (2**28,) and out["v"].stride() == (0,)
-        assert out["v"].untyped_storage().nbytes() == 4
-
-
-def _copies(n: int, nbytes: int) -> bytes:
-    """One stored U8 tensor of ``nbytes`` and ``n`` copies of it."""
-    manifest = {"version": 1, "copies": {f"c{i}": "a" for i in range(n)}}
-    return blob(with_manifest(manifest, {"a": entry("U8", [nbytes], 0, nbytes)}), bytes(nbytes))
-
-
-@pytest.mark.parametrize("reader", ["numpy", "keras", pytest.param("torch", marks=needs_torch)])
-def test_many_copies_of_one_tensor_are_refused(tmp_path: Path, reader: str) -> None:
-    import weightvault.numpy as wvn
-
-    # 1 MiB stored, 300 copies: 300 MiB of arrays from a file of just over 1 MiB.
-    path = _write(tmp_path, _copies(300, 1 << 20))
-    read: Callable[[Path], Any]
-    if reader == "keras":
-        wvk = pytest.importorskip("weightvault.keras")
-        read = wvk.load_file
-    else:
-        read = wvn.load_file if reader == "numpy" else wvt.load_file  # type: ignore[union-attr]
-    tracemalloc.start()
-    try:
-        with pytest.raises(weightvault.FormatError, match=r"would allocate"):
-            read(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 16 << 20, peak
-    # A few copies of a small tensor are what real files hold, and read as before.
-    small = _write(tmp_path, _copies(3, 16), "small.safetensors")
-    assert len(read(small)) == 4
-
-
-@needs_torch
-def test_alias_of_shared_storage_reads_in_torch(tmp_path: Path) -> None:
-    """An alias may name internal view storage; torch.load_file raised KeyError."""
-    assert wvt is not None
-    internal = "__weightvault__.storage0"
-    manifest = {"version": 1, "aliases": {"al": internal}}
-    path = _write(
-        tmp_path, blob(with_manifest(manifest, {internal: entry("U8", [4], 0, 4)}), b"abcd")
-    )
-    out = wvt.load_file(path)
-    assert bytes(out["al"].numpy()) == b"abcd"
-
-
 def test_surrogate_pairs_are_valid_names(tmp_path: Path) -> None:
     """Only lone surrogates are refused; an escaped pair is one character (U+1F600)."""
     import weightvault.numpy as wvn
@@ -1003,284 +641,6 @@ def test_surrogate_pairs_are_valid_names(tmp_path: Path) -> None:
         tmp_path, blob(b'{"\\ud83d\\ude00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x")
     )
     assert list(wvn.load_file(path)) == ["\U0001f600"]
-
-
-# ---------------------------------------------------------------------------------------
-# A file truncated underneath a reader: FormatError or a report, never SIGBUS
-# ---------------------------------------------------------------------------------------
-
-_TRUNCATE = """
-import sys, os
-import numpy as np
-import weightvault, weightvault.numpy as wvn
-from weightvault.formats._registry import open_checkpoint
-
-path, how = sys.argv[1], sys.argv[2]
-arrays = {f"t{i}": np.full(1 << 18, i, np.float32) for i in range(4)}
-wvn.save(arrays, path)
-
-def shrink():
-    os.truncate(path, 4096)
-
-if how == "verify":
-    calls = []
-    def progress(n):
-        calls.append(n)
-        if len(calls) == 1:
-            shrink()
-    report = weightvault.verify(path, progress=progress)
-    print("ok" if report.ok else "damaged", report.problems[:1])
-    sys.exit(0)
-ckpt = open_checkpoint(path)
-shrink()
-try:
-    if how == "numpy":
-        wvn.load_file(ckpt, verify=True)
-    elif how == "numpy_noverify":
-        wvn.load_file(ckpt)
-    elif how == "numpy_load":
-        wvn.load({k: np.zeros_like(v) for k, v in arrays.items()}, ckpt, verify=True)
-    elif how == "torch":
-        import weightvault.torch as wvt
-        wvt.load_file(ckpt, verify=True)
-    elif how == "torch_noverify":
-        import weightvault.torch as wvt
-        wvt.load_file(ckpt)
-    elif how == "torch_load":
-        import torch, weightvault.torch as wvt
-        m = torch.nn.ParameterDict({k: torch.zeros(1 << 18) for k in arrays})
-        wvt.load(m, ckpt, verify=True)
-    elif how == "torch_load_views":
-        # Views cannot be read straight into a parameter; they are copied from their base.
-        import torch, weightvault.torch as wvt
-        ckpt.close()
-        base = torch.arange(1 << 20, dtype=torch.float32)
-        wvt.save({"a": base[: 1 << 19], "b": base[1 << 18 :]}, path)
-        ckpt = open_checkpoint(path)
-        shrink()
-        m = torch.nn.ParameterDict({"a": torch.zeros(1 << 19), "b": torch.zeros(3 << 18)})
-        wvt.load(m, ckpt)
-except weightvault.FormatError as e:
-    print("FormatError", e)
-"""
-
-
-@pytest.mark.parametrize(
-    "how",
-    [
-        "verify",
-        "numpy",
-        "numpy_noverify",
-        "numpy_load",
-        pytest.param("torch", marks=needs_torch),
-        pytest.param("torch_noverify", marks=needs_torch),
-        pytest.param("torch_load", marks=needs_torch),
-        pytest.param("torch_load_views", marks=needs_torch),
-    ],
-)
-def test_truncated_after_open_is_no_sigbus(tmp_path: Path, how: str) -> None:
-    import subprocess
-    import sys
-
-    path = tmp_path / "shrinks.safetensors"
-    result = subprocess.run(
-        [sys.executable, "-c", _TRUNCATE, str(path), how],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    # A SIGBUS shows as returncode -7 with no output.
-    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
-    if how == "verify":
-        assert result.stdout.startswith("damaged"), result.stdout
-        assert "the file ended before its bytes did" in result.stdout
-    else:
-        assert result.stdout.startswith("FormatError"), result.stdout
-        assert str(path) in result.stdout
-
-
-# ---------------------------------------------------------------------------------------
-# The command line: one line and a documented exit code, never a traceback
-# ---------------------------------------------------------------------------------------
-
-
-def _hostile_files(tmp_path: Path) -> list[Path]:
-    """Every crafted case above, fuzzed files and bombs, each written to its own file."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_fuzz_smoke import _valid_files, case
-
-    valid = _valid_files()
-    payloads = [data for data, _ in CASES.values()]
-    payloads += [case(seed, valid) for seed in range(120)]
-    payloads += [_stride0_view(2**28), _copies(300, 1 << 16), *valid]
-    paths = []
-    for i, data in enumerate(payloads):
-        paths.append(_write(tmp_path, data, f"h{i}.safetensors"))
-    return paths
-
-
-def test_cli_never_raises_on_hostile_files(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from weightvault._cli.app import main
-
-    files = _hostile_files(tmp_path)
-    good = files[-1]
-    out = tmp_path / "out.safetensors"
-    codes: set[int] = set()
-    for path in files:
-        for argv in (
-            ["inspect", str(path)],
-            ["inspect", "--json", str(path)],
-            ["verify", str(path)],
-            ["diff", str(good), str(path)],
-            ["convert", str(path), str(out)],
-        ):
-            code = main(argv)  # an exception escaping main would end the CLI in a traceback
-            codes.add(code)
-            err = capsys.readouterr().err
-            # 5: read fine, but refused (a name reserved for weightvault cannot be converted).
-            assert code in (0, 1, 3, 5), (argv, code, err)
-            assert "Traceback" not in err and err.count("\n") <= 1, (argv, err)
-            if code in (3, 5):
-                assert err.startswith(f"weightvault {argv[0]}: "), err
-    assert codes == {0, 1, 3, 5}
-
-
-@pytest.mark.parametrize(
-    "case", ["lone_surrogate_tensor_name", "stride0_diff", "truncated", "directory"]
-)
-def test_cli_subprocess_prints_no_traceback(tmp_path: Path, case: str) -> None:
-    import subprocess
-    import sys
-
-    good = _write(tmp_path, blob(TWO, TWO_DATA), "good.safetensors")
-    if case == "stride0_diff":
-        a = _write(tmp_path, _stride0_view(2**28), "a.safetensors")
-        b = _write(tmp_path, _stride0_view(2**28).replace(b"\x80?", b"\x00@"), "b.safetensors")
-        argv, expected = ["diff", str(a), str(b)], 3
-    elif case == "truncated":
-        argv, expected = ["inspect", str(_write(tmp_path, blob(TWO, TWO_DATA)[:-3]))], 3
-    elif case == "directory":
-        argv, expected = ["diff", str(good), str(tmp_path)], 3
-    else:
-        argv, expected = ["inspect", str(_write(tmp_path, CASES[case][0]))], 3
-    cli = [sys.executable, "-m", "weightvault"]
-    result = subprocess.run([*cli, *argv], capture_output=True, text=True, timeout=120)
-    assert result.returncode == expected, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"weightvault {argv[0]}:")
-
-
-def test_cli_unexpected_error_is_one_line_exit_4(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A bug reached by some input still ends in one line; WEIGHTVAULT_DEBUG shows where."""
-    from weightvault._cli import app as _cli
-
-    def broken(path: object) -> None:
-        raise KeyError("deep\ninside")
-
-    monkeypatch.setattr(_cli, "inspect", broken)
-    path = _write(tmp_path, blob(TWO, TWO_DATA))
-    assert _cli.main(["inspect", str(path)]) == _cli.EXIT_UNEXPECTED == 4
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("weightvault inspect: unexpected KeyError: 'deep\\ninside'")
-    assert "WEIGHTVAULT_DEBUG=1" in err
-    monkeypatch.setenv("WEIGHTVAULT_DEBUG", "1")
-    assert _cli.main(["inspect", str(path)]) == 4
-    assert "Traceback" in capsys.readouterr().err
-
-
-# ---------------------------------------------------------------------------------------
-# Copy detection stays near-linear: many distinct tensors of one shape
-# ---------------------------------------------------------------------------------------
-
-
-def _counting_same_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from weightvault._file import sharing as _plan
-
-    calls = [0]
-    real = _plan.same_bytes
-
-    def counted(a: Any, b: Any, chunk: int = 1 << 20) -> bool:
-        calls[0] += 1
-        return real(a, b, chunk)
-
-    monkeypatch.setattr(_plan, "same_bytes", counted)
-    return calls
-
-
-@pytest.mark.parametrize("dedupe", [True, False])
-def test_copy_detection_compares_only_lookalikes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dedupe: bool
-) -> None:
-    import numpy as np
-
-    import weightvault.numpy as wvn
-
-    calls = _counting_same_bytes(monkeypatch)
-    rng = np.random.default_rng(0)
-    arrays = {f"t{i}": rng.standard_normal((4, 4)).astype(np.float32) for i in range(2000)}
-    # Real copies, and a large pair equal in every sampled slice but one byte elsewhere.
-    arrays["copy_a"] = arrays["t7"].copy()
-    arrays["copy_b"] = arrays["t1999"].copy()
-    big = np.zeros(3 << 20, np.uint8)
-    arrays["big"], arrays["big_twin"] = big, big.copy()
-    arrays["big_twin"][1 << 20] = 1
-    report = wvn.save(arrays, tmp_path / "many.safetensors", dedupe_copies=dedupe)
-    # Kept copies (the default) are still found, as duplicates, for inspect's savings.
-    found = report.copies if dedupe else report.duplicates
-    assert found == {"copy_a": "t7", "copy_b": "t1999"}
-    # One exact comparison per true copy and one for the sampled lookalike; all pairs of
-    # 2,000 same-shape arrays would be about 2 million.
-    assert calls[0] == 3, calls[0]
-
-
-@needs_torch
-def test_inspecting_a_pt_of_distinct_tensors_compares_none(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert torch is not None
-    calls = _counting_same_bytes(monkeypatch)
-    g = torch.Generator().manual_seed(0)
-    path = tmp_path / "distinct.pt"
-    torch.save({f"t{i}": torch.randn(4, 4, generator=g) for i in range(500)}, path)
-    info = weightvault.inspect(path)
-    assert len(info.names) == 500 and not info.copies
-    assert calls[0] == 0
-
-
-@needs_alarm
-def test_saving_4000_same_shape_arrays_is_fast(tmp_path: Path) -> None:
-    import numpy as np
-
-    import weightvault.numpy as wvn
-
-    rng = np.random.default_rng(1)
-    arrays = {f"t{i}": rng.standard_normal(16).astype(np.float32) for i in range(4000)}
-    # Pairwise comparison took about a minute; near-linear work takes well under a second.
-    with time_limit(20.0):
-        wvn.save(arrays, tmp_path / "many.safetensors")
-
-
-def test_convert_refuses_to_gather_a_copy_of_a_huge_stride0_view(tmp_path: Path) -> None:
-    manifest = {"version": 1, "views": {"v": ["a", "F32", [2**26], [0], 0]}, "copies": {"c": "v"}}
-    src = _write(tmp_path, blob(with_manifest(manifest, {"a": entry("F32", [1], 0, 4)}), bytes(4)))
-    dst = tmp_path / "out.safetensors"
-    tracemalloc.start()
-    try:
-        with pytest.raises(weightvault.FormatError, match=r"gathering 1 views would allocate"):
-            weightvault.convert(src, dst)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 10 << 20 and not dst.exists()
-    report = weightvault.convert(src, dst, max_bytes=1 << 30, dedupe_copies=True)
-    assert report.copies == {"c": "v"}
 
 
 def test_verify_reports_what_a_reader_should_not_have_raised(
@@ -1311,18 +671,39 @@ def test_verify_reports_what_a_reader_should_not_have_raised(
     assert not report.ok and "tensor 'a': unreadable (MemoryError" in report.problems[0]
 
 
-def test_jax_load_file_refuses_a_tiny_file_that_describes_a_gigabyte(tmp_path: Path) -> None:
-    pytest.importorskip("jax")
-    import numpy as np
+# ---------------------------------------------------------------------------------------
+# Cases that only a framework can hit: the header is valid, but materializing is not
+# ---------------------------------------------------------------------------------------
 
-    import weightvault.jax as wvj
 
-    path = _write(tmp_path, _stride0_view(2**28))
-    with pytest.raises(weightvault.FormatError, match=r"would allocate 1073741832 bytes") as e:
-        wvj.load_file(path)
-    assert str(path) in str(e.value) and "max_bytes" in str(e.value)
-    small = _write(tmp_path, _stride0_view(2**20), "small.safetensors")
-    with pytest.raises(weightvault.FormatError, match=r"more than the 1000-byte limit"):
-        wvj.load_file(small, max_bytes=1000)
-    out = wvj.load_file(small, max_bytes=8 << 20)
-    assert out["v"].shape == (2**20,) and bool(np.all(np.asarray(out["v"]) == 1.0))
+@needs_torch
+def test_zero_size_tensor_with_overflowing_dims(tmp_path: Path) -> None:
+    path = _write(tmp_path, blob({"a": entry("F32", [2**62, 2**62, 0], 0, 0)}))
+    # Zero bytes match a zero span, but no framework can hold the shape: refused up front.
+    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
+        weightvault.inspect(path)
+    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
+        _load_file(path)
+
+
+@needs_torch
+def test_zero_size_view_with_overflowing_dims(tmp_path: Path) -> None:
+    manifest = {"version": 1, "views": {"v": ["b", "U8", [2**62, 2**62, 0], [1, 1, 1], 0]}}
+    path = _write(tmp_path, blob(with_manifest(manifest, TWO), TWO_DATA))
+    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
+        weightvault.inspect(path)
+    with pytest.raises(weightvault.FormatError, match="overflows 64-bit sizes"):
+        _load_file(path)
+
+
+@needs_torch
+def test_alias_of_shared_storage_reads_in_torch(tmp_path: Path) -> None:
+    """An alias may name internal view storage; torch.load_file raised KeyError."""
+    assert wvt is not None
+    internal = "__weightvault__.storage0"
+    manifest = {"version": 1, "aliases": {"al": internal}}
+    path = _write(
+        tmp_path, blob(with_manifest(manifest, {internal: entry("U8", [4], 0, 4)}), b"abcd")
+    )
+    out = wvt.load_file(path)
+    assert bytes(out["al"].numpy()) == b"abcd"
