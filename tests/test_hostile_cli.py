@@ -19,7 +19,7 @@ from test_hostile import CASES
 # ---------------------------------------------------------------------------------------
 
 
-def _hostile_files(tmp_path: Path) -> list[Path]:
+def _crafted_files(tmp_path: Path) -> list[Path]:
     """Every case of test_hostile.py, fuzzed files and bombs, each written to its own file."""
     import sys
 
@@ -41,7 +41,7 @@ def test_cli_never_raises_on_hostile_files(
 ) -> None:
     from weightvault._cli.app import main
 
-    files = _hostile_files(tmp_path)
+    files = _crafted_files(tmp_path)
     good = files[-1]
     out = tmp_path / "out.safetensors"
     codes: set[int] = set()
