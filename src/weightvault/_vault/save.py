@@ -135,7 +135,11 @@ def _checksum_rest(
 
 
 def _bases(
-    placed: Placed, digests: Mapping[str, str], storage: Storage, store: Store
+    pool: ThreadPoolExecutor,
+    placed: Placed,
+    digests: Mapping[str, str],
+    storage: Storage,
+    store: Store,
 ) -> dict[str, str]:
     """``{digest: base digest}``: for each changed tensor, its object in the parent
     checkpoint (same name, dtype and shape), or the key object of that object's chain
@@ -143,15 +147,22 @@ def _bases(
     if storage.codec is None or storage.max_chain <= 0:
         return {}
     parent = storage.parent_tensors(store)
-    out: dict[str, str] = {}
+    changed: list[tuple[str, str, int]] = []
     for s, info in placed:
         old = parent.get(s.name)
         if old is None or (old[1], old[2]) != (info.dtype, info.shape):
             continue
         if old[0] != digests[s.name] and (storage.training_deltas or not storage.training(s.name)):
-            base = delta_base(store, storage.cache, old[0], info.nbytes, storage.max_chain)
-            if base is not None:
-                out.setdefault(digests[s.name], base)
+            changed.append((digests[s.name], old[0], info.nbytes))
+    # On the pool: a process's first save reads each parent's frame header (a round trip
+    # each on a remote store), where a vault that saved before knows them.
+    found = each(
+        pool, lambda c: delta_base(store, storage.cache, c[1], c[2], storage.max_chain), changed
+    )
+    out: dict[str, str] = {}
+    for (digest, _, _), base in zip(changed, found, strict=True):
+        if base is not None:
+            out.setdefault(digest, base)
     return out
 
 
@@ -276,7 +287,7 @@ def save_sources(
     placed = layout(p.stored)
     pool = workers()
     digests = _address(pool, placed, sums, progress)
-    bases = _bases(placed, digests, storage, store)
+    bases = _bases(pool, placed, digests, storage, store)
     # The intent names the bases too: gc keeps them while this save XORs against them.
     intent = begin(store, [*digests.values(), *bases.values()], gc_wait=gc_wait)
     encoder = _encoder(store, storage, placed, digests, bases)
