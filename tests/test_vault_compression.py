@@ -193,7 +193,7 @@ def test_raw_bytes_that_look_like_a_frame_are_stored_unambiguously(tmp_path: Pat
 # -- delta objects -------------------------------------------------------------------------
 
 
-def test_changed_tensors_are_deltas_and_a_deep_chain_restarts_from_its_key_object(
+def test_changed_tensors_are_deltas_and_a_deep_chain_restarts_from_its_key_object_once(
     tmp_path: Path,
 ) -> None:
     model, opt = trained(1)
@@ -205,24 +205,39 @@ def test_changed_tensors_are_deltas_and_a_deep_chain_restarts_from_its_key_objec
         saved.append((snapshot(model), optimizer_state(opt)))
     records = vault.list()
     depths = [frames(tmp_path, r.name)["0.weight"] for r in records]
-    # At depth 2 the next delta is taken against the chain's full object, at depth 1.
-    assert [f.depth for f in depths] == [0, 1, 2, 1, 2, 1, 2]
+    # At depth 2 the next delta is taken against the chain's full object, at depth 1; a
+    # key object serves one restart, so the restarted chain ends in a full object.
+    assert [f.depth for f in depths] == [0, 1, 2, 1, 2, 0, 1]
     key = json.loads((tmp_path / "checkpoints" / f"{records[0].name}.json").read_text())
-    assert depths[3].base == depths[5].base == key["objects"]["0.weight"]
+    assert depths[3].base == key["objects"]["0.weight"]
+    assert depths[5].base is None
     for rec, (weights, state) in zip(records, saved, strict=True):
         fresh, fresh_opt = trained(0, seed=9)
         vault.load(fresh, rec.name, optimizer=fresh_opt)
         assert_bitwise(snapshot(fresh), weights)
         assert_bitwise(optimizer_state(fresh_opt), state)
     assert vault.verify().ok
-    # Only the newest kept: gc keeps the key object its chain ends at.
-    vault.retain(keep_last=1)
+    # Only the fifth kept: gc keeps the key object its chain ends at.
+    for rec in records[:4] + records[5:]:
+        vault.delete(rec.name)
     vault.gc()
     assert object_file(tmp_path, key["objects"]["0.weight"]).exists()
     fresh, fresh_opt = trained(0, seed=9)
-    vault.load(fresh, "latest", optimizer=fresh_opt)
-    assert_bitwise(snapshot(fresh), saved[-1][0])
+    vault.load(fresh, records[4].name, optimizer=fresh_opt)
+    assert_bitwise(snapshot(fresh), saved[4][0])
     assert vault.verify().ok
+
+
+def test_a_process_that_did_not_write_the_chain_restarts_it_in_full(tmp_path: Path) -> None:
+    model, opt = trained(1)
+    for _ in range(3):
+        step(model, opt)
+        Vault(tmp_path, delta_chain=2).save(model)  # a new process's vault each time
+    step(model, opt)
+    Vault(tmp_path, delta_chain=2).save(model)
+    depths = [frames(tmp_path, r.name)["0.weight"].depth for r in Vault(tmp_path).list()]
+    # It cannot tell whether the chain is its key object's first, so no restart.
+    assert depths == [0, 1, 2, 0]
 
 
 def test_a_deep_chain_restarts_in_full_when_its_key_object_is_too_far(tmp_path: Path) -> None:

@@ -13,9 +13,10 @@ Chains stay short: a delta's depth is its base's plus one, so a load reads at mo
 ``max_chain + 1`` objects per tensor. When the parent's object is already at depth
 ``max_chain``, the delta is taken against the full object its chain ends at (the chain's
 *key object*, as a video codec refers back to its last key frame) and starts a new chain
-at depth 1; it becomes a full object only when that delta does not compress smaller
-(:func:`delta_base`). On the trained run of docs/benchmarks.md section 11, 180 steps from
-the key object the difference still compresses to 0.81 of the tensor (0.85 in full).
+at depth 1, once per key object; it becomes a full object when that delta does not
+compress smaller, or the key object already served a restart (:func:`delta_base`). On
+the trained run of docs/benchmarks.md section 11, 180 steps from the key object the
+difference still compresses to 0.81 of the tensor (0.85 in full).
 
 A base must be in ``objects/`` when the save looks (after its intent names the base, as
 :mod:`.commit` requires); gc keeps every base a live object's frame names (see
@@ -55,7 +56,7 @@ __all__ = [
     "stored_depth",
 ]
 
-#: A full object at least every this many saves of a tensor (measured: docs/benchmarks.md).
+#: The deepest delta chain written by default (measured: docs/benchmarks.md, section 11).
 DELTA_CHAIN = 8
 #: A frame is kept only if it is at most this fraction of the raw bytes.
 PAYS = 0.95
@@ -144,6 +145,9 @@ class Storage:
         cache: Raw bytes of the previous save's objects, the next save's delta bases.
         parent: The tensors of this vault's previous save (read from the newest record
             when unknown).
+        history: The tensors of this process's last saves, oldest first (at most
+            ``max_chain + 1``): what tells a chain that may restart from its key object
+            from one that already did (:func:`delta_base`).
     """
 
     codec: Codec | None
@@ -152,10 +156,25 @@ class Storage:
     training: Callable[[str], bool] = is_training
     cache: BaseCache = field(default_factory=BaseCache)
     parent: Tensors | None = None
+    history: list[Tensors] = field(default_factory=list)
 
     def __getstate__(self) -> dict[str, object]:
         # Another process reads the newest record again: this one's memory is not its.
-        return {**self.__dict__, "parent": None}
+        return {**self.__dict__, "parent": None, "history": []}
+
+    def saved(self, tensors: Tensors) -> None:
+        """Remember a save's tensors: the next save's parent, and its history."""
+        self.parent = tensors
+        self.history = [*self.history, tensors][-(self.max_chain + 1) :]
+
+    def before_parent(self) -> Tensors | None:
+        """The tensors of the save ``max_chain`` saves before the parent, if this process
+        made them all (a chain that long then ran through this process's own saves)."""
+        if self.max_chain <= 0 or len(self.history) < self.max_chain + 1:
+            return None
+        if self.history[-1] is not self.parent:
+            return None
+        return self.history[-1 - self.max_chain]
 
     def parent_tensors(self, store: Store) -> Tensors:
         """The tensors deltas are taken against: the previous save's, or the newest record's."""
@@ -203,12 +222,24 @@ def stored_depth(store: Store, digest: str, nbytes: int) -> int | None:
 
 
 def delta_base(
-    store: Store, cache: BaseCache | None, parent: str, nbytes: int, max_chain: int
+    store: Store,
+    cache: BaseCache | None,
+    parent: str,
+    nbytes: int,
+    max_chain: int,
+    earlier: str | None = None,
 ) -> str | None:
     """The object a delta of a changed tensor is taken against: the parent checkpoint's
     object ``parent`` while its chain is shallower than ``max_chain``, else the full
     object that chain ends at; ``None`` (a full object) if neither is in ``objects/`` as
     an object of ``nbytes`` raw bytes.
+
+    A key object serves two chains at most, its own and one restart, so that a tensor
+    still gets a full object at least every ``2 * max_chain + 1`` saves and damage to one
+    object reaches no more checkpoints than that: the restart is taken only when
+    ``earlier`` (the tensor's object ``max_chain`` saves before the parent) is the key
+    object itself, which means the parent's chain is the key's own. A restarted chain's
+    save that far back holds a delta, so it ends in a full object.
 
     Called before the save's intent is written, so that the intent names the object
     returned and a gc keeps it while the save reads it.
@@ -220,13 +251,17 @@ def delta_base(
         depth = stored_depth(store, parent, nbytes)
     if depth is None or depth < max_chain:
         return parent if depth is not None else None
+    if earlier is None:
+        return None
     key = parent
     for _ in range(MAX_DEPTH):
         frame = object_frame(store, key)
         if frame is None or frame.base is None:
             break
         key = frame.base
-    return key if key != parent and stored_depth(store, key, nbytes) == 0 else None
+    if key != earlier or key == parent:
+        return None
+    return key if stored_depth(store, key, nbytes) == 0 else None
 
 
 def chain_digests(store: Store, digest: str) -> set[str]:

@@ -147,20 +147,24 @@ def _bases(
     if storage.codec is None or storage.max_chain <= 0:
         return {}
     parent = storage.parent_tensors(store)
-    changed: list[tuple[str, str, int]] = []
+    earlier = storage.before_parent() or {}
+    changed: list[tuple[str, str, int, str | None]] = []
     for s, info in placed:
         old = parent.get(s.name)
         if old is None or (old[1], old[2]) != (info.dtype, info.shape):
             continue
         if old[0] != digests[s.name] and (storage.training_deltas or not storage.training(s.name)):
-            changed.append((digests[s.name], old[0], info.nbytes))
+            back = earlier.get(s.name)
+            changed.append((digests[s.name], old[0], info.nbytes, back[0] if back else None))
     # On the pool: a process's first save reads each parent's frame header (a round trip
     # each on a remote store), where a vault that saved before knows them.
     found = each(
-        pool, lambda c: delta_base(store, storage.cache, c[1], c[2], storage.max_chain), changed
+        pool,
+        lambda c: delta_base(store, storage.cache, c[1], c[2], storage.max_chain, c[3]),
+        changed,
     )
     out: dict[str, str] = {}
-    for (digest, _, _), base in zip(changed, found, strict=True):
+    for (digest, *_), base in zip(changed, found, strict=True):
         if base is not None:
             out.setdefault(digest, base)
     return out
@@ -299,6 +303,6 @@ def save_sources(
         name = commit_record(store, doc, name)
     finally:
         release(store, [intent])
-    storage.parent = {s.name: (digests[s.name], info.dtype, info.shape) for s, info in placed}
+    storage.saved({s.name: (digests[s.name], info.dtype, info.shape) for s, info in placed})
     storage.cache.keep_only(set(digests.values()))
     return parse_record(name, doc, name)

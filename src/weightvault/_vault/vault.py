@@ -76,9 +76,10 @@ class Vault:
             zstd), or ``None`` to write raw bytes. Either way every object is named by the
             blake3 of its raw bytes, and vaults of any mix of them load.
         delta_chain: A changed tensor is stored as the difference to its previous value when
-            that is smaller, with a full object at least every ``delta_chain + 1`` saves
-            (so a load reads at most ``delta_chain + 1`` objects per tensor); 0 turns
-            deltas off.
+            that is smaller, in chains at most ``delta_chain`` deep, so a load reads at most
+            ``delta_chain + 1`` objects per tensor. A full chain restarts once from the
+            full object it ends at, then in full: a full object at least every
+            ``2 * delta_chain + 1`` saves. 0 turns deltas off.
         training_state_last: Keep optimizer, scheduler and RNG state only in the newest
             ``N`` checkpoints: each save drops it from older ones, whose weights stay
             loadable (see :meth:`retain`), and runs :meth:`gc` to free what it held.
