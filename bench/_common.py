@@ -18,6 +18,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
+from weightvault._base.atomic import fsync_file
+
 GB = 1e9
 MiB = 1 << 20
 
@@ -42,20 +44,12 @@ def unique_buffers(model: torch.nn.Module) -> list[memoryview]:
 
 
 def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(folder)  # a folder's fsync makes the renames in it durable
 
 
 def drop_file_cache(path: str) -> None:

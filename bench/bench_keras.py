@@ -38,6 +38,7 @@ import keras
 import numpy as np
 
 import weightvault.keras as wvk
+from weightvault._base.atomic import fsync_file
 
 MiB = 1 << 20
 
@@ -73,14 +74,6 @@ def build(quick: bool) -> Any:
         x = keras.layers.Dense(width, name=f"down{i}")(x)
     out = HeldKernel(emb.embeddings, transpose=True, name="lm_head")(x)
     return keras.Model(inp, out)
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rounds(fns: dict[str, Callable[[], Any]], n: int) -> dict[str, list[float]]:

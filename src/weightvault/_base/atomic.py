@@ -152,25 +152,26 @@ def _others_dirty(own_bytes: int) -> int:
     return max(0, total - own_bytes)
 
 
+def fsync_file(path: str) -> None:
+    """fsync ``path`` (a file, or a folder for the renames inside it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_all(paths: Iterable[str]) -> None:
     """fsync each of ``paths`` (files or folders), several at a time: concurrent fsyncs
     share the disk's journal commits."""
-
-    def one(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     paths = list(paths)
     if len(paths) <= 1:
         for path in paths:
-            one(path)
+            fsync_file(path)
         return
     # Threads kept for the process: a new pool of 16 per call cost more than the fsyncs
     # of a small save (a thread start is about 1.7 ms here, see _base.pools).
-    list(_fsyncers().map(one, paths))
+    list(_fsyncers().map(fsync_file, paths))
 
 
 #: Threads that wait in fsync; they use no CPU, so there are more than cores.

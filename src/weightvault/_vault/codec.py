@@ -6,18 +6,18 @@ into plane ``i`` (blosc2's ``SHUFFLE`` filter, with the dtype's item size) puts 
 bytes together, and zstd then squeezes the exponent planes and leaves the noise as it is.
 blosc2 does the shuffle in C (SIMD); docs/benchmarks.md (section "Compressed objects")
 has the comparison with numpy planes + ``zstandard`` that chose it. python-blosc2 holds
-the GIL while it (de)compresses unless told otherwise, so :func:`compress_block` tells it
-to release it: the save's threads then compress small objects side by side and write
-others meanwhile (measured on two cores: the 156 objects of a 13 MB GPT-2 and its AdamW
+the GIL while it (de)compresses unless told otherwise, so both calls here tell it to
+release it while they run (:class:`_ReleasedGil`, which puts the caller's setting back
+after the last one): the save's threads then compress small objects side by side and
+write others meanwhile (measured on two cores: the 156 objects of a 13 MB GPT-2 and its AdamW
 state, delta + compress, in 39 ms on six threads against 69 ms holding the GIL). A
 block of 1 MiB or more is also split over blosc2's own C threads, one per core
 (:data:`THREADS`): on two cores, alone, 1.6x faster than one thread; a save of GPT-2
 small took 1.13 s against 1.20 s. Decoding
 stays on one blosc2 thread per call: alone it is 3.4x faster on two, but inside a load
 (whose own threads overlap reads, checks and copies) one thread measured faster (10.3 ms
-against 12.4 ms for the 13 MB model of docs/benchmarks.md section 11). A decode releases
-the GIL too, also in a process that never compressed (:class:`_ReleasedGil`), so the
-load's threads decode on every core.
+against 12.4 ms for the 13 MB model of docs/benchmarks.md section 11); without the GIL,
+the load's threads decode on every core.
 
 Decoding is bounded: a block is decompressed only into a buffer of the size the frame
 and the checkpoint record agree on, and only after blosc2's own header says exactly that
@@ -135,14 +135,11 @@ def compress_block(codec: Codec, data: memoryview, itemsize: int) -> bytes | mem
     if codec.id == STORED.id:
         return data
     b = _blosc2()
-    # Released, the GIL lets the save's threads compress small objects side by side and
-    # write others meanwhile; held (python-blosc2's default), they took turns. Safe:
-    # compress2 and decompress2 each make a context of their own for the call. The
-    # switch is process-wide, so decompression releases it too from then on (equally
-    # safe: decompress_block reads only a private copy of the block).
-    b.set_releasegil(True)
-    return bytes(
-        b.compress2(
+    # Without the GIL the save's threads compress small objects side by side and write
+    # others meanwhile; with it (python-blosc2's default) they took turns. Safe: each
+    # compress2 call makes a context of its own.
+    with _GIL.released(b):
+        packed = b.compress2(
             data,
             typesize=itemsize,
             clevel=codec.level,
@@ -150,7 +147,7 @@ def compress_block(codec: Codec, data: memoryview, itemsize: int) -> bytes | mem
             filters=[b.Filter.SHUFFLE],
             nthreads=_threads(data.nbytes),  # large blocks on blosc2's own threads too
         )
-    )
+    return bytes(packed)
 
 
 def decompress_block(
@@ -204,11 +201,11 @@ def decompress_block(
 
 
 class _ReleasedGil:
-    """Lets python-blosc2 release the GIL while weightvault decodes.
+    """Lets python-blosc2 release the GIL while weightvault compresses or decodes.
 
     python-blosc2 holds the GIL through a (de)compression unless its process-wide
-    ``set_releasegil`` is on, so a load's threads decoded one at a time. Turned on while
-    any decode runs and back to what it was after the last one, it lets them decode in
+    ``set_releasegil`` is on, so a save's or a load's threads took turns. Turned on while
+    any call runs and back to what it was after the last one, it lets them run in
     parallel: the 35 blocks of the 13 MB GPT-2 of docs/benchmarks.md (section 11) took
     2.8 ms on two threads against 4.0 ms on one, and no slower than one when the other
     core was busy. Other code that calls blosc2 at the same moment releases the GIL

@@ -244,24 +244,23 @@ def delta_base(
     Called before the save's intent is written, so that the intent names the object
     returned and a gc keeps it while the save reads it.
     """
+    # Trusted without a stat (a round trip on a remote store): only a choice of base,
+    # which the Encoder checks again once the save's intent is written.
     known = cache.chains.get(parent) if cache is not None else None
-    if known is not None and store.size(object_key(parent)) == known[0]:
+    chain: frozenset[str] | set[str] | None = None
+    if known is not None:
         depth: int | None = known[1]
+        chain = known[2]
     else:
         depth = stored_depth(store, parent, nbytes)
     if depth is None or depth < max_chain:
         return parent if depth is not None else None
-    if earlier is None:
+    if earlier is None or earlier == parent:
         return None
-    key = parent
-    for _ in range(MAX_DEPTH):
-        frame = object_frame(store, key)
-        if frame is None or frame.base is None:
-            break
-        key = frame.base
-    if key != earlier or key == parent:
+    # The only full object on the parent's chain is the one the chain ends at.
+    if earlier not in (chain if chain is not None else chain_digests(store, parent)):
         return None
-    return key if stored_depth(store, key, nbytes) == 0 else None
+    return earlier if stored_depth(store, earlier, nbytes) == 0 else None
 
 
 def chain_digests(store: Store, digest: str) -> set[str]:
