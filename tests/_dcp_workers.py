@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -43,17 +44,26 @@ def _entry(rank: int, world: int, rdzv: str, fn: Callable[..., Any], args: tuple
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; a rank's error fails it."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; a rank's error fails it, and
+    so does running past ``timeout`` seconds (every rank is killed first): a rank stuck in a
+    collective fails the test instead of hanging the suite."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(
+        ranks = mp.start_processes(
             _entry,
             args=(world, os.path.join(d, "rdzv"), fn, args),
             nprocs=world,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        deadline = time.monotonic() + timeout
+        while not ranks.join(max(min(deadline - time.monotonic(), 5.0), 0.1)):
+            if time.monotonic() > deadline:
+                for p in ranks.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(f"{fn.__name__} on {world} ranks ran past {timeout} s")
 
 
 class Block(nn.Module):

@@ -58,11 +58,12 @@ from ._base.errors import (
 )
 from ._dcp.background import async_group, start
 from ._dcp.index import VaultLoadPlanner
+from ._dcp.peers import broken, vote
 from ._dcp.planner import VaultSavePlanner
-from ._dcp.reader import ReadStats, VaultReader
-from ._dcp.resume import apply_flags, fqn, install_state, optimizer_template
+from ._dcp.reader import ReadStats, SharingReader, VaultReader
+from ._dcp.resume import Flags, apply_flags, fqn, install_state, optimizer_template
 from ._dcp.writer import VaultWriter
-from ._vault.records import CheckpointRecord, parse_record, read_doc, record_key
+from ._vault.records import CheckpointRecord, record_key
 from ._vault.vault import Vault, VaultLike, as_vault
 
 __all__ = [
@@ -123,11 +124,7 @@ def _collective(what: str, run: Callable[[], Any]) -> None:
     except RuntimeError as e:
         # DCP turns a rank's own error into CheckpointException; what else escapes is its
         # collectives failing (gloo's "Connection reset by peer" when a rank died).
-        raise DistributedCheckpointError(
-            f"{what} failed: the process group broke (a rank died, or its connection did: "
-            f"{str(e).splitlines()[0][:300]}); a checkpoint is committed whole or not at "
-            "all, so the vault is intact: restart the job and load again"
-        ) from e
+        raise broken(what, e) from e
     except CheckpointException as e:
         failures = {r: f[0] if isinstance(f, tuple) else f for r, f in e.failures.items()}
         shown = capped(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(failures.items()))
@@ -158,12 +155,12 @@ def _save_setup(
     return state, planner
 
 
-def _committed(v: Vault, writer: VaultWriter, group: Any = None) -> CheckpointRecord:
-    """The record the coordinator committed, on every rank."""
-    committed = _broadcast(writer.record.name if writer.record is not None else None, group)
-    if writer.record is not None:
-        return writer.record
-    return parse_record(committed, read_doc(v.store, committed), committed)
+def _committed(writer: VaultWriter, group: Any = None) -> CheckpointRecord:
+    """The record the coordinator committed, on every rank (no rank reads it again)."""
+    record = _broadcast(writer.record, group)
+    if not isinstance(record, CheckpointRecord):  # DCP ran finish, or raised everywhere
+        raise DistributedCheckpointError(f"{writer.vault.url}: the coordinator committed no record")
+    return record
 
 
 def save(
@@ -205,13 +202,19 @@ def save(
         ...     log.warning("checkpoint skipped: %s", e)
     """
     v = as_vault(vault)
-    state, planner = _save_setup(model, v, optimizer)
-    writer = VaultWriter(v, name, metadata=metadata)
+    what = f"{v.url}: saving checkpoint {name or '(next)'}"
+    error = None
+    try:
+        state, planner = _save_setup(model, v, optimizer)
+        writer = VaultWriter(v, name, metadata=metadata)
+    except Exception as e:  # every rank must reach the vote, or the others wait in DCP
+        error = e
+    vote(error, what)
     _collective(
-        f"{v.url}: saving checkpoint {name or '(next)'}",
+        what,
         lambda: dcp_save(state, storage_writer=writer, planner=planner, no_dist=_no_dist()),
     )
-    return _committed(v, writer)
+    return _committed(writer)
 
 
 def async_save(
@@ -251,9 +254,14 @@ def async_save(
         '000008'
     """
     v = as_vault(vault)
-    state, planner = _save_setup(model, v, optimizer)
-    budget = sys.maxsize if staging_bytes is None else max(int(staging_bytes), 0)
-    writer = VaultWriter(v, name, metadata=metadata, staging_bytes=budget)
+    error = None
+    try:
+        state, planner = _save_setup(model, v, optimizer)
+        budget = sys.maxsize if staging_bytes is None else max(int(staging_bytes), 0)
+        writer = VaultWriter(v, name, metadata=metadata, staging_bytes=budget)
+    except Exception as e:  # every rank must reach the vote, or the others wait in DCP
+        error = e
+    vote(error, f"{v.url}: starting the save of checkpoint {name or '(next)'}")
     group = async_group()
 
     def run() -> CheckpointRecord:
@@ -264,7 +272,7 @@ def async_save(
                 no_dist=group is None,
             ),
         )  # fmt: skip
-        return _committed(v, writer, group)
+        return _committed(writer, group)
 
     return start(run, writer.staged)
 
@@ -313,29 +321,52 @@ def load(
         False
     """
     v = as_vault(vault)
-    reader = VaultReader(v, _resolve_on_rank0(v, name))
-    metadata = reader.prefetch()
-    if optimizer is not None and reader.weights_only:  # every rank read the same record
-        raise TrainingStateError(
-            f"{v.url}/{record_key(str(reader.resolved))} holds weights only: its optimizer "
-            "state was dropped (training_state_last); load it without optimizer=, or resume "
-            "from a checkpoint that kept its training state (the newest ones)"
+    resolved = _resolve_on_rank0(v, name)
+    what = f"{v.url}: loading checkpoint {resolved}"
+    reader = SharingReader(v, resolved)
+    flags: Flags | None = None
+    error: Exception | None = None
+    try:
+        metadata = reader.prefetch()
+        if optimizer is not None and reader.weights_only:  # every rank read the same record
+            raise TrainingStateError(
+                f"{v.url}/{record_key(resolved)} holds weights only: its optimizer "
+                "state was dropped (training_state_last); load it without optimizer=, or "
+                "resume from a checkpoint that kept its training state (the newest ones)"
+            )
+        flags = apply_flags(model, metadata, set(reader.frozen), f"{MODEL}.")
+        fresh = optimizer is not None and not optimizer.state
+        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+        state: dict[str, Any] = {MODEL: msd}
+        added: dict[str, dict[str, torch.Tensor]] = {}
+        if optimizer is not None:
+            added = optimizer_template(model, osd, metadata, f"{OPTIM}.", fresh=fresh)
+            state[OPTIM] = osd
+        planner = VaultLoadPlanner(allow_partial_load=not strict)
+    except Exception as e:  # every rank must reach the vote, or the others wait in DCP
+        error = e
+    try:
+        vote(error, what)
+        _collective(
+            what,
+            lambda: dcp_load(state, storage_reader=reader, planner=planner, no_dist=_no_dist()),
         )
-    flags = apply_flags(model, metadata, set(reader.frozen), f"{MODEL}.")
-    fresh = optimizer is not None and not optimizer.state
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {MODEL: msd}
-    added: dict[str, dict[str, torch.Tensor]] = {}
-    if optimizer is not None:
-        added = optimizer_template(model, osd, metadata, f"{OPTIM}.", fresh=fresh)
-        state[OPTIM] = osd
-    planner = VaultLoadPlanner(allow_partial_load=not strict)
-    _collective(
-        f"{v.url}: loading checkpoint {reader.resolved}",
-        lambda: dcp_load(state, storage_reader=reader, planner=planner, no_dist=_no_dist()),
-    )
-    _set_state(model, optimizer, state, strict, added)
-    if not restore_frozen:
+        # Every rank read its part (DCP's last gather said so): the replicas go now.
+        error = None
+        try:
+            try:
+                reader.exchange()
+            except RuntimeError as e:  # isend/irecv: a rank died since the gather
+                raise broken(what, e) from e
+            _set_state(model, optimizer, state, strict, added)
+        except Exception as e:
+            error = e
+        vote(error, what)
+    except BaseException:
+        if flags is not None:
+            flags.restore()  # the load failed: the model keeps its own flags
+        raise
+    if not restore_frozen and flags is not None:
         flags.restore()
     return reader.stats
 

@@ -8,8 +8,12 @@ gives each to the holder with the fewest bytes so far. That rank reads it and se
 to the others over the process group, point to point; they receive straight into their
 destination where it is one contiguous run of CPU memory.
 
-Before anything is sent, the ranks agree that every read succeeded, so a rank that
-failed to read makes every rank raise rather than wait for bytes that never come.
+Nothing is sent inside DCP's load: a rank can fail anywhere in it (its planner's
+``finish_plan``, a wrapper's ``read_data``) and go straight to DCP's final gather, so
+any collective of ours there would wait forever for it. Each rank reads its own part in
+``read_data`` and :func:`prepare` readies the exchange; only
+:func:`weightvault.dcp.load`, once DCP's gather has returned on every rank (every rank
+read its part), runs it (:meth:`Exchange.run`).
 
 Example:
     >>> shares = assign_reads(plans)        # on the coordinator, one per rank
@@ -28,11 +32,21 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .._base.dtypes import numel
-from .._base.errors import DistributedCheckpointError
+from .._base.errors import DistributedCheckpointError, capped
+from ..integrations._ranks import portable, revive
 from .planner import storage_key
 from .ranged import host_bytes
 
-__all__ = ["Shares", "Stamp", "agree", "assign_reads", "exchange", "own_reads"]
+__all__ = [
+    "Exchange",
+    "Shares",
+    "Stamp",
+    "assign_reads",
+    "broken",
+    "own_reads",
+    "prepare",
+    "vote",
+]
 
 
 @dataclass(frozen=True)
@@ -112,29 +126,56 @@ def own_reads(tensors: Sequence[ReadItem], shares: Shares | None) -> list[ReadIt
     return [r for i, r in enumerate(tensors) if i not in elsewhere]
 
 
-def agree(read: Callable[[], None], where: str) -> None:
-    """Run this rank's reads, then learn whether every rank's succeeded (collective).
+def vote(error: BaseException | None, what: str, group: Any = None) -> None:
+    """Raise on every rank when any rank failed its part of ``what``; collective.
+
+    Every rank calls it, failed or not, so it must sit where no rank can skip it: before
+    DCP's call (a failed setup) or after it returned on every rank (DCP's own gathers have
+    said that every rank succeeded). It is one ``all_gather_object`` of a short text.
 
     Raises:
-        DistributedCheckpointError: Another rank failed (this rank's own error is raised
-            as it is).
+        BaseException: This rank's own ``error``, as it is.
+        DistributedCheckpointError: Another rank failed (``failures`` maps each failed
+            rank to its error, rebuilt from its pickle where it has one), or the process
+            group broke under the vote (a rank died).
     """
-    error: BaseException | None = None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if not isinstance(error, Exception) else portable(error)
+    if error is not None and mine is None:
+        mine = (f"{type(error).__name__}: {error}", None)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
     try:
-        read()
-    except Exception as e:  # every rank must reach the vote below, or the others hang
-        error = e
-    votes = torch.zeros(dist.get_world_size(), dtype=torch.int32)
-    votes[dist.get_rank()] = int(error is not None)
-    dist.all_reduce(votes)
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as e:
+        if error is not None:
+            raise error from None
+        raise broken(what, e) from e
     if error is not None:
         raise error
-    failed = [r for r, v in enumerate(votes.tolist()) if v]
-    if failed:
+    failures: dict[int, BaseException] = {
+        r: revive(x) for r, x in enumerate(everyone) if x is not None
+    }
+    if failures:
+        shown = capped(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(failures.items()))
         raise DistributedCheckpointError(
-            f"{where}: rank(s) {failed} failed to read their part of the checkpoint, so "
-            "this rank received nothing from them; see those ranks' errors"
+            f"{what} failed on {len(failures)} of {len(everyone)} rank(s): {shown}; every "
+            "rank raises, and nothing was committed or read in part: fix that rank's error "
+            "and call it again",
+            failures,
         )
+
+
+def broken(what: str, error: RuntimeError) -> DistributedCheckpointError:
+    """The error for a collective that failed under ``what``: a rank or its link died."""
+    first = (str(error).splitlines() or [""])[0][:300]
+    return DistributedCheckpointError(
+        f"{what} failed: the process group broke (a rank died, or its connection did: "
+        f"{first}); a checkpoint is committed whole or not at all, so the vault is "
+        "intact: restart the job and load again"
+    )
 
 
 def _wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -143,14 +184,60 @@ def _wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def exchange(
+@dataclass
+class Exchange:
+    """One rank's sends and receives of replicated boxes, ready to go.
+
+    :func:`prepare` makes it inside ``read_data`` (everything that may fail: the wire
+    copies, the destinations), so a failure there reaches DCP's gather like any other;
+    :meth:`run` only moves bytes, after DCP's gather said every rank read its part.
+    """
+
+    tensors: Sequence[ReadItem]
+    shares: Shares
+    planner: LoadPlanner
+    wires: list[tuple[torch.Tensor, tuple[int, ...], int]]
+    #: ``(item, destination, buffer, staged, stored dtype, source, tag)`` per receive.
+    landing: list[tuple[ReadItem, torch.Tensor, torch.Tensor, bool, torch.dtype, int, int]]
+
+    def run(self) -> tuple[int, int]:
+        """Send this rank's boxes and receive the others'; bytes sent and received."""
+        ops: list[Any] = []
+        sent = received = 0
+        for wire, receivers, tag in self.wires:
+            for r in receivers:
+                ops.append(dist.isend(wire, r, tag=tag))
+                sent += wire.numel()
+        for _, _, buf, _, _, source, tag in self.landing:
+            if buf.numel():
+                ops.append(dist.irecv(buf, source, tag=tag))
+            received += buf.numel()
+        for op in ops:
+            op.wait()
+        arrived = {}
+        for (pos, _, _), (req, dst, buf, staged, stored, _, _) in zip(
+            self.shares.recv, self.landing, strict=True
+        ):
+            if staged and buf.numel():
+                dst.copy_(buf.view(stored).reshape(dst.shape))
+            self.planner.commit_tensor(req, dst)
+            arrived[pos] = dst
+        for pos, first in self.shares.copies:
+            dst = self.planner.resolve_tensor(self.tensors[pos]).detach()
+            if storage_key(dst) != storage_key(arrived[first]):  # a tie: often one memory
+                dst.copy_(arrived[first])
+            self.planner.commit_tensor(self.tensors[pos], dst)
+        return sent, received
+
+
+def prepare(
     tensors: Sequence[ReadItem],
     shares: Shares,
     planner: LoadPlanner,
     read: dict[int, torch.Tensor],
     dtypes: Callable[[ReadItem], torch.dtype],
-) -> tuple[int, int]:
-    """Send the boxes this rank read to their receivers, and receive the others.
+) -> Exchange:
+    """What this rank sends and where it receives, with nothing sent yet.
 
     Args:
         tensors: This rank's tensor items, in plan order.
@@ -158,18 +245,12 @@ def exchange(
         planner: The load planner (receivers resolve and commit their destinations).
         read: ``{item: destination}`` of the items this rank read and sends.
         dtypes: The stored dtype of an item: what travels.
-
-    Returns:
-        Bytes sent and bytes received.
     """
-    ops: list[Any] = []
-    sent = received = 0
-    for pos, receivers, tag in shares.send:
-        wire = _wire(read[pos], dtypes(tensors[pos]))
-        for r in receivers:
-            ops.append(dist.isend(wire, r, tag=tag))
-            sent += wire.numel()
-    landing: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None, torch.dtype]] = []
+    wires = [
+        (_wire(read[pos], dtypes(tensors[pos])), receivers, tag)
+        for pos, receivers, tag in shares.send
+    ]
+    landing = []
     for pos, source, tag in shares.recv:
         req = tensors[pos]
         dst = planner.resolve_tensor(req).detach()
@@ -177,24 +258,8 @@ def exchange(
         out = host_bytes(dst) if dst.dtype == stored else None
         buf = (
             torch.frombuffer(out, dtype=torch.uint8)
-            if out is not None
+            if out is not None and len(out)
             else torch.empty(numel(tuple(req.lengths)) * stored.itemsize, dtype=torch.uint8)
         )
-        if buf.numel():
-            ops.append(dist.irecv(buf, source, tag=tag))
-        received += buf.numel()
-        landing.append((req, dst, None if out is not None else buf, stored))
-    for op in ops:
-        op.wait()
-    arrived = {}
-    for (pos, _, _), (req, dst, staged, stored) in zip(shares.recv, landing, strict=True):
-        if staged is not None and staged.numel():
-            dst.copy_(staged.view(stored).reshape(dst.shape))
-        planner.commit_tensor(req, dst)
-        arrived[pos] = dst
-    for pos, first in shares.copies:
-        dst = planner.resolve_tensor(tensors[pos]).detach()
-        if storage_key(dst) != storage_key(arrived[first]):  # a tie: often one memory
-            dst.copy_(arrived[first])
-        planner.commit_tensor(tensors[pos], dst)
-    return sent, received
+        landing.append((req, dst, buf, out is None or not len(out), stored, source, tag))
+    return Exchange(tensors, shares, planner, wires, landing)

@@ -3,8 +3,9 @@
 DCP reshards: each rank asks for the boxes its shards overlap, and the reader fetches
 just those byte ranges of each chunk object (``preadv`` into the destination locally,
 ranged GETs on object stores), wherever the object is, a running gc's trash included.
-It reads the record's index, then only the chunk tables holding chunks it needs; and a
-box that several ranks need (replicas) is read by one of them and sent to the others.
+It reads the record's index, then only the chunk tables holding chunks it needs. Under
+:func:`weightvault.dcp.load` a box that several ranks need (replicas) is read by one of
+them and sent to the others after DCP's load (:class:`SharingReader`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -31,12 +32,12 @@ from .._vault.dcp_record import KIND
 from .._vault.records import read_doc, record_key
 from .._vault.vault import VaultLike, as_vault
 from .index import ChunkIndex
-from .peers import Shares, Stamp, agree, assign_reads, exchange, own_reads
+from .peers import Exchange, Shares, Stamp, assign_reads, own_reads, prepare
 from .planner import storage_key
 from .ranged import read_box
 from .values import as_blob
 
-__all__ = ["ReadStats", "VaultReader"]
+__all__ = ["ReadStats", "SharingReader", "VaultReader"]
 
 
 @dataclass
@@ -71,8 +72,10 @@ class VaultReader(StorageReader):
     just those byte ranges of each chunk object, into the destination tensor where it is
     one contiguous run of CPU memory. A tied tensor is listed under each of its names,
     all reading one stored chunk; when the destinations are one memory, it is read once.
-    A box that several ranks load (DDP and HSDP replicas) is read from the store by one
-    of them and sent to the others over the process group (``share_reads``).
+    Each rank reads every box it loads itself, and issues no collective of its own, so a
+    rank failing anywhere in DCP's load makes DCP raise on every rank;
+    :func:`weightvault.dcp.load` reads a box several ranks load (DDP and HSDP replicas)
+    once (:class:`SharingReader`).
 
     Every load resolves ``name`` anew (a reused reader of ``"latest"`` reads the newest
     checkpoint each time), and all ranks read the checkpoint the coordinator resolved: DCP
@@ -85,9 +88,6 @@ class VaultReader(StorageReader):
     Args:
         vault: A :class:`~weightvault.Vault`, or its root or URL.
         name: The checkpoint to read (``"latest"`` by default).
-        share_reads: Read a box several ranks need once, and send it to the others. The
-            load must run on the default process group (DCP's default); on a
-            subgroup of another size every rank reads its own.
 
     Attributes:
         name: The checkpoint asked for (``"latest"`` stays ``"latest"``).
@@ -104,11 +104,14 @@ class VaultReader(StorageReader):
         ('000007', 0)
     """
 
-    def __init__(self, vault: VaultLike, name: str = "latest", *, share_reads: bool = True) -> None:
+    #: Whether the coordinator assigns replicated boxes to one reader (see
+    #: :class:`SharingReader`); a plain ``dcp.load`` has no later step to send them in.
+    shares_reads: ClassVar[bool] = False
+
+    def __init__(self, vault: VaultLike, name: str = "latest") -> None:
         super().__init__()
         self.vault = as_vault(vault)
         self.name = name
-        self.share_reads = share_reads
         self.resolved: str | None = None
         self.stats = ReadStats()
         self.frozen: list[str] = []
@@ -116,15 +119,16 @@ class VaultReader(StorageReader):
         self._index: ChunkIndex | None = None
         self._ahead: Metadata | None = None
         self._coordinator = True
+        self._pending: Exchange | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's process checkpointer pickles readers: the index is rebuilt from the record.
-        return {**self.__dict__, "_index": None, "_ahead": None}
+        return {**self.__dict__, "_index": None, "_ahead": None, "_pending": None}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.name = os.fspath(checkpoint_id)
-        self.resolved, self._ahead = None, None
+        self.resolved, self._ahead, self._pending = None, None, None
         self.stats = ReadStats()
 
     def prefetch(self) -> Metadata:
@@ -138,6 +142,13 @@ class VaultReader(StorageReader):
         return self._ahead
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if "rank" in kwargs:
+            # DCP asks for a rank's own metadata after the global read failed, and a rank
+            # that got it would load without collectives while the others wait in them.
+            raise DistributedCheckpointError(
+                f"{self.vault.url}: a vault checkpoint has one record for every rank, "
+                "no per-rank metadata; see the first error of read_metadata"
+            )
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             return ahead
@@ -191,7 +202,7 @@ class VaultReader(StorageReader):
         # coordinator after each resolved its checkpoint on its own.
         agreed = all(p.storage_data == self.resolved for p in plans)
         shares: list[Shares | None] = [None] * len(plans)
-        if agreed and self.share_reads and 1 < len(plans) == _world():
+        if agreed and self.shares_reads and 1 < len(plans) == _world():
             ties = self.index.ties
             shares = list(assign_reads(plans, lambda fqn: ties.get(fqn, fqn)))
         return [
@@ -219,24 +230,15 @@ class VaultReader(StorageReader):
         return planner.finish_plan(planner.create_local_plan())
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # No collective here: a rank failing anywhere in DCP's load skips this call.
         stamp = plan.storage_data
         shares = stamp.shares if isinstance(stamp, Stamp) else None
+        agreed = self._agree(plan, planner)
+        tensors = [r for r in agreed.items if r.type != LoadItemType.BYTE_IO]
         read: dict[int, torch.Tensor] = {}
-        tensors: list[ReadItem] = []
-
-        def run() -> None:
-            agreed = self._agree(plan, planner)
-            tensors.extend(r for r in agreed.items if r.type != LoadItemType.BYTE_IO)
-            self._read_own(agreed, planner, own_reads(tensors, shares), read)
-
-        if shares is None:
-            run()
-        else:
-            # Receivers wait on senders: every rank learns first that all reads succeeded.
-            agree(run, f"{self.vault.url}: checkpoint {self.resolved!r}")
-            sent, got = exchange(tensors, shares, planner, read, self._stored_dtype)
-            self.stats.bytes_sent += sent
-            self.stats.bytes_received += got
+        self._read_own(agreed, planner, own_reads(tensors, shares), read)
+        if shares is not None:
+            self._pending = prepare(tensors, shares, planner, read, self._stored_dtype)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -300,6 +302,38 @@ class VaultReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+class SharingReader(VaultReader):
+    """A :class:`VaultReader` that reads a box several ranks need once and sends it on.
+
+    :func:`weightvault.dcp.load` uses it. The coordinator gives each replicated box to
+    one of the ranks that load it (:func:`~weightvault._dcp.peers.assign_reads`); inside
+    DCP's load each rank reads only its own boxes and readies the exchange, and
+    :meth:`exchange`, called on every rank once ``dcp.load`` returned on every rank,
+    sends them. A rank that fails anywhere in the load makes DCP raise on every rank
+    before any rank waits for a box.
+
+    The load must run on the default process group (DCP's default); on a subgroup of
+    another size every rank reads its own.
+    """
+
+    shares_reads = True
+
+    def exchange(self) -> None:
+        """Send the boxes this rank read for others, receive its own; collective.
+
+        Call it on every rank right after ``dcp.load`` returned (not after it raised):
+        DCP's last gather has then told every rank that every read succeeded, so every
+        rank sends what the others wait for. A rank that dies meanwhile breaks the
+        others' receives at once (gloo's connection reset), not at the group's timeout.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        sent, received = pending.run()
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += received
 
 
 def _world() -> int:

@@ -25,7 +25,17 @@ from torch import nn
 
 from .._base.errors import DistributedCheckpointError, capped
 
-__all__ = ["agree", "announce", "announced", "gather", "rank", "sharded_parameter", "world_size"]
+__all__ = [
+    "agree",
+    "announce",
+    "announced",
+    "gather",
+    "portable",
+    "rank",
+    "revive",
+    "sharded_parameter",
+    "world_size",
+]
 
 #: The key of the process group's store under which a lone writer leaves its failure.
 _ANNOUNCED = "weightvault/integrations/failed-save"
@@ -74,9 +84,9 @@ def agree(error: Exception | None, what: str, fix: str) -> None:
         if error is not None:
             raise error
         return
-    sent = None if error is None else _portable(error)
+    sent = None if error is None else portable(error)
     failures: dict[int, BaseException] = {
-        r: _revive(x) for r, x in enumerate(gather(sent)) if x is not None
+        r: revive(x) for r, x in enumerate(gather(sent)) if x is not None
     }
     if not failures:
         return
@@ -100,7 +110,7 @@ def announce(error: DistributedCheckpointError) -> None:
     store = _store()
     if store is None:
         return
-    failures = {r: _portable(x) for r, x in error.failures.items() if isinstance(x, Exception)}
+    failures = {r: portable(x) for r, x in error.failures.items() if isinstance(x, Exception)}
     store.set(_ANNOUNCED, pickle.dumps((uuid.uuid4().hex, str(error), failures)))
 
 
@@ -125,7 +135,7 @@ def announced(cause: BaseException | None) -> DistributedCheckpointError | None:
     if key in _heard:
         return None
     _heard.add(key)
-    return DistributedCheckpointError(text, {r: _revive(x) for r, x in sent.items()})
+    return DistributedCheckpointError(text, {r: revive(x) for r, x in sent.items()})
 
 
 def _store() -> Any:
@@ -154,7 +164,7 @@ def sharded_parameter(model: nn.Module) -> str | None:
     return None
 
 
-def _portable(error: Exception) -> tuple[str, bytes | None]:
+def portable(error: Exception) -> tuple[str, bytes | None]:
     """``error`` as a peer can rebuild it: its text, and its pickle when it has one."""
     text = f"{type(error).__name__}: {error}"
     try:
@@ -164,7 +174,8 @@ def _portable(error: Exception) -> tuple[str, bytes | None]:
     return text, blob
 
 
-def _revive(sent: tuple[str, bytes | None]) -> Exception:
+def revive(sent: tuple[str, bytes | None]) -> Exception:
+    """The error :func:`portable` sent, rebuilt here (its text in a ``RuntimeError`` if not)."""
     # Peers are ranks of this one job, the same program: their pickles are as trusted as
     # the all_gather_object that carried them (itself a pickle).
     text, blob = sent
