@@ -18,6 +18,7 @@ each case must end on every rank within seconds of the fault.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -165,3 +166,37 @@ def test_weightvault_load_still_reads_each_replicated_byte_once(
         assert all(r[0] + r[1] >= stored for r in reads), (name, reads, stored)
     ok = reports["load-ok"]
     assert all(r["bytes_read"] > 0 for r in ok)
+
+
+# -- one process -----------------------------------------------------------------------------
+
+
+def test_a_taken_checkpoint_id_fails_inside_dcps_steps(tmp_path: Path) -> None:
+    """DCP calls reset(checkpoint_id) before its steps, where a rank's error reaches no
+    other rank; the name is checked in set_up_storage_writer, a step DCP gathers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import weightvault
+    import weightvault.dcp as wdcp
+
+    state = {"x": torch.arange(4.0)}
+    dcp.save(state, storage_writer=wdcp.VaultWriter(tmp_path), checkpoint_id="a", no_dist=True)
+    writer = wdcp.VaultWriter(tmp_path)
+    writer.reset("a")  # what DCP does first: no error yet
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(state, storage_writer=writer, checkpoint_id="a", no_dist=True)
+    assert isinstance(e.value.failures[0][0], weightvault.CheckpointExistsError)
+
+
+def test_the_reader_refuses_dcps_per_rank_metadata(tmp_path: Path) -> None:
+    """After a failed read_metadata DCP asks for the rank's own metadata and, given it,
+    loads that rank without collectives while the others wait in them."""
+    import weightvault
+    import weightvault.dcp as wdcp
+
+    wdcp.save(torch.nn.Linear(2, 2), tmp_path, "a")
+    reader = wdcp.VaultReader(tmp_path, "a")
+    assert reader.read_metadata() is not None
+    with pytest.raises(weightvault.DistributedCheckpointError, match="no per-rank metadata"):
+        reader.read_metadata(rank=1)

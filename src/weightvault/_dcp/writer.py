@@ -97,8 +97,9 @@ class VaultWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
+            # Checked in set_up_storage_writer: DCP calls reset before its steps, where a
+            # rank's error reaches no other rank.
             self.name = os.fspath(checkpoint_id)
-            check_free(self.vault.store, self.name)
         self.record = None
         self.written_bytes = self.reused_bytes = self.chunks = 0
         self.staged = threading.Event()
@@ -110,6 +111,7 @@ class VaultWriter(StorageWriter):
                 f"{self.vault.url}: VaultWriter needs DCP's collectives (one record, "
                 "committed by rank 0); call dcp.save without use_collectives=False"
             )
+        check_free(self.vault.store, self.name)  # again: a record may have come since
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
