@@ -57,7 +57,9 @@ def _race_round(rank: int, world: int, vault: str, first: int, want: float) -> N
                 held.rename(record)  # B is committed now
                 committed.touch()
                 return metadata
-            while not committed.exists():
+            deadline = time.monotonic() + 60
+            while not committed.exists():  # bounded: the other rank may have failed
+                assert time.monotonic() < deadline, "rank 0 never committed B"
                 time.sleep(0.01)
             return super().read_metadata(*args, **kwargs)
 

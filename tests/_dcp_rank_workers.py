@@ -127,7 +127,8 @@ _GC_LOOP = """
 import os, sys, time, weightvault
 v = weightvault.Vault(sys.argv[1])
 runs = freed = 0
-while not os.path.exists(sys.argv[2]):
+deadline = time.monotonic() + 240  # bounded: an orphan if the rank that started it died
+while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
     freed += v.gc()
     runs += 1
     time.sleep(0.1)  # saves wait while a gc runs: leave them a gap

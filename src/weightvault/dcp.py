@@ -192,8 +192,11 @@ def save(
 
     Raises:
         CheckpointExistsError: ``name`` is already taken.
-        DistributedCheckpointError: A rank failed; nothing was committed. Its
-            ``failures`` hold each rank's error, its ``__cause__`` DCP's exception.
+        DistributedCheckpointError: A rank failed; nothing was committed. Raised on
+            every rank within moments (no rank waits for a failed one), naming the failed
+            ranks: ``failures`` holds each one's error, ``__cause__`` DCP's exception. A
+            rank that failed before DCP started (making its state dict or writer)
+            raises its own error instead.
 
     Example:
         >>> try:
@@ -308,7 +311,10 @@ def load(
         the other ranks (a box several ranks need is read once), record bytes read.
 
     Raises:
-        DistributedCheckpointError: A rank failed to read.
+        DistributedCheckpointError: A rank failed, at any step: raised on every rank
+            within moments, naming the failed ranks in ``failures``. A rank that failed
+            before DCP's load (reading the record, the frozen flags, the state dicts) or
+            after it (receiving replicas, filling the model) raises its own error instead.
         TrainingStateError: ``optimizer`` is given, but the checkpoint holds weights only
             (its optimizer state was dropped by ``retain(training_state_last=)``); raised
             on every rank before anything is read.
