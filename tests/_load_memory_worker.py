@@ -66,7 +66,8 @@ def main(what: str, framework: str, root: str) -> None:
     model = build(framework)
     if what == "save":
         fill(framework, model)
-        Vault(root).save(model)
+        with Vault(root) as vault:  # compacted before the process exits
+            vault.save(model)
         if framework == "keras":
             model.save_weights(f"{root}/keras.weights.h5")  # the oracle's own file
         print(json.dumps({"digest": digest(framework, model)}))

@@ -70,6 +70,7 @@ def train(vault: weightvault.Vault, steps: int = 3) -> None:
         opt.step()
         opt.zero_grad()
         vault.save(model, optimizer=opt, rng=True, metadata={"step": str(step)})
+    vault.wait()  # compacted: what log reports as on disk is what the files hold
 
 
 def rows(out: str) -> dict[str, list[str]]:
@@ -88,8 +89,11 @@ def test_log_shows_raw_and_on_disk_bytes_as_the_files_hold_them(tmp_path: Path) 
     train(weightvault.Vault(root))
     doc = log_json(root)
     ckpts = doc["checkpoints"]
-    # What the saves wrote is what the object files hold (nothing was deleted).
-    assert sum(c["written_bytes"] for c in ckpts) == file_bytes(root / "objects")
+    # What each checkpoint's new objects take is what the object files hold.
+    assert sum(c["disk_bytes"] for c in ckpts) == file_bytes(root / "objects")
+    assert all(c["compacted"] for c in ckpts)
+    # The saves wrote raw bytes; the compactor shrank them.
+    assert [c["written_bytes"] for c in ckpts] == [c["new_bytes"] for c in ckpts]
     assert doc["total"]["object_bytes"] == file_bytes(root / "objects")
     assert doc["total"]["disk_bytes"] == file_bytes(root)
     assert doc["total"]["ratio"] == round(file_bytes(root) / doc["total"]["raw_bytes"], 4)
@@ -100,10 +104,10 @@ def test_log_shows_raw_and_on_disk_bytes_as_the_files_hold_them(tmp_path: Path) 
         argv = ["vault", str(root), "export", c["name"], str(exported), "--dedupe-copies"]
         assert run(*argv)[0] == 0
         assert c["raw_bytes"] == c["stored_bytes"] == data_section(exported)
-        assert c["ratio"] == round(c["written_bytes"] / c["raw_bytes"], 4)
+        assert c["ratio"] == round(c["disk_bytes"] / c["raw_bytes"], 4)
     # The first save writes everything; later ones only what training changed.
     assert ckpts[0]["new_bytes"] == ckpts[0]["raw_bytes"]
-    assert all(c["written_bytes"] < ckpts[0]["written_bytes"] for c in ckpts[1:])
+    assert all(c["disk_bytes"] < ckpts[0]["disk_bytes"] for c in ckpts[1:])
 
     code, out = run("vault", str(root), "log")
     assert code == 0
@@ -113,14 +117,14 @@ def test_log_shows_raw_and_on_disk_bytes_as_the_files_hold_them(tmp_path: Path) 
         assert (raw, new, disk) == (
             human(c["raw_bytes"]),
             human(c["new_bytes"]),
-            human(c["written_bytes"]),
+            human(c["disk_bytes"]),
         )
         assert ratio == f"{c['ratio']:.2f}x"
     assert "*" not in out  # every figure comes from the records
     last = ckpts[-1]
     code, shown = run("vault", str(root), "show", "latest")
     assert code == 0 and shown.splitlines()[0].endswith(
-        f"new bytes {human(last['new_bytes'])} ({human(last['written_bytes'])} on disk)"
+        f"new bytes {human(last['new_bytes'])} ({human(last['disk_bytes'])} on disk)"
     )
     total = doc["total"]
     assert out.endswith(
@@ -144,10 +148,11 @@ def test_compressible_weights_show_a_ratio_below_raw(tmp_path: Path) -> None:
     """Weights that compress well (bf16 with a narrow range) cost less than their raw bytes."""
     root = tmp_path / "v"
     w = (torch.arange(1 << 16, dtype=torch.float32) % 7).to(torch.bfloat16)
-    weightvault.Vault(root).save({"w": w})
+    with weightvault.Vault(root) as vault:  # the block's end waits for the compactor
+        vault.save({"w": w})
     (c,) = log_json(root)["checkpoints"]
     assert c["raw_bytes"] == w.numel() * 2
-    assert c["written_bytes"] == file_bytes(root / "objects") < c["raw_bytes"] / 4
+    assert c["disk_bytes"] == file_bytes(root / "objects") < c["raw_bytes"] / 4
     assert c["ratio"] < 0.25
 
 
@@ -172,7 +177,7 @@ def test_a_legacy_vault_shows_derived_sizes_marked(tmp_path: Path) -> None:
     assert table["dcp"][2] == "0 B*"
     assert re.search(r"^\* not in the record: these objects were written raw", out, re.M)
     code, shown = run("vault", str(root), "show", "step-2")
-    assert code == 0 and ", new bytes 484 B (484 B on disk, written raw)\n" in shown
+    assert code == 0 and ", new bytes 484 B (484 B on disk)\n" in shown
     # docs/cli.md shows this very output (dates aside).
     shown = DOC.read_text().split("$ weightvault vault tests/fixtures/legacy_vault log\n")[1]
     assert dated(shown.split("```")[0]) == dated(out)
@@ -227,10 +232,10 @@ def test_plot_draws_what_log_reports(tmp_path: Path) -> None:
     doc = json.loads(out)
     points = doc["points"]
     assert [p["raw_bytes"] for p in points] == [c["raw_bytes"] for c in ckpts]
-    assert [p["written_bytes"] for p in points] == [c["written_bytes"] for c in ckpts]
+    assert [p["written_bytes"] for p in points] == [c["disk_bytes"] for c in ckpts]
     running = 0
     for p, c in zip(points, ckpts, strict=True):
-        running += c["written_bytes"]
+        running += c["disk_bytes"]
         assert p["disk_bytes"] == running
     assert doc["disk_bytes"] == file_bytes(root / "objects")
     assert doc["ratio"] == round(doc["files_bytes"] / doc["disk_bytes"], 2) > 1

@@ -273,8 +273,15 @@ def test_finetune_demo_runs_tiny(tmp_path):
     assert "-- restarted: resumed 000001" in result.stdout
     assert "parameters bitwise identical: True" in result.stdout
     # Each phase announces itself as it starts, so a slow machine never looks hung.
-    phases = re.findall(r"^\[(\d)/4\] .*\(at \d+ s\)$", result.stdout, re.MULTILINE)
-    assert phases == ["1", "2", "3", "4"], result.stdout
+    phases = re.findall(r"^\[(\d)/5\] .*\(at \d+ s\)$", result.stdout, re.MULTILINE)
+    assert phases == ["1", "2", "3", "4", "5"], result.stdout
+    # The save and the resume, timed beside plain files.
+    for kind in ("save", "load"):
+        assert re.search(
+            rf"^  {kind} of model \+ optimizer: vault \d+ ms, plain files \d+ ms \([\d.]+x\)$",
+            result.stdout,
+            re.MULTILINE,
+        ), result.stdout
     assert re.search(r"^  step   1  loss [\d.]+$", result.stdout, re.MULTILINE)
     assert re.search(r"^done in \d+ s$", result.stdout, re.MULTILINE)
     assert (tmp_path / "v" / "bytes.png").exists()

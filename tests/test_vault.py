@@ -195,7 +195,8 @@ def test_save_returns_the_committed_record(tmp_path: Path) -> None:
     again = vault.save(model)
     assert again.new_bytes == 0 and again.logical_bytes == logical
     assert again.metadata == {}
-    # A successful save leaves no intent and no gc marker behind.
+    # A successful save (and its compaction) leaves no intent and no gc marker behind.
+    vault.wait()
     assert not list((tmp_path / "v" / "intents").iterdir())
     assert not (tmp_path / "v" / "gc").exists() or not list((tmp_path / "v" / "gc").iterdir())
 
@@ -262,6 +263,7 @@ def test_a_name_taken_between_check_and_commit_is_refused(
     model = fresh()
     vault.load(model, "best")
     assert_bitwise(snapshot(model), snapshot(original))
+    vault.wait()
     assert not list((tmp_path / "intents").iterdir())
     # The refused save's head objects were written and are now unreferenced: gc frees them.
     assert vault.gc() == head_bytes(intruder)

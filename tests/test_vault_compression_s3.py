@@ -54,12 +54,16 @@ def test_deltas_and_weights_only_history_on_s3(
         step(model, opt)
         vault.save(model, optimizer=opt)
         saved.append(state(model))
-    head = fs(options).cat_file(
-        f"{bucket}/run/objects/" + _digest(vault, "000005")[:2] + "/" + _digest(vault, "000005")
-    )
-    # A difference delta two levels deep (K = 2): the fourth save's chain restarted from
-    # the first save's object, the key object that the retain below must keep.
-    assert head[11] == 2 and head[12] == 2
+    vault.wait()
+
+    def head(name: str) -> bytes:
+        digest = _digest(vault, name)
+        return bytes(fs(options).cat_file(f"{bucket}/run/objects/{digest[:2]}/{digest}")[:64])
+
+    # Deltas point back, at most K = 2 behind a full object: 1 -> 2 -> 3 (full), 4 -> 5.
+    kinds = [head(f"00000{i}")[11] for i in range(1, 6)]
+    assert kinds == [2, 2, 0, 2, 0]  # 2: a difference delta; 0: a full object
+    assert _base_of(vault, "000004") == _digest(vault, "000005")
 
     vault.retain(keep_last=2)
     vault.gc()
@@ -75,12 +79,12 @@ def test_deltas_and_weights_only_history_on_s3(
     plain = load_file(str(out))  # the weights, and the latest's training state besides
     assert {k: plain[k].numpy().tobytes() for k in saved[-1]} == saved[-1]
 
-    # The base of the newest delta gone: a FormatError naming the tensor, nothing loaded.
-    base = _base_of(vault, "000005")
+    # The base of the older delta gone: a FormatError naming the tensor, nothing loaded.
+    base = _base_of(vault, "000004")
     fs(options).rm_file(f"{bucket}/run/objects/{base[:2]}/{base}")
     fresh, _ = trained()
-    with pytest.raises(FormatError, match=r"000005\.json: tensor '0\.weight'.*delta base"):
-        Vault(url, **options).load(fresh, "000005")
+    with pytest.raises(FormatError, match=r"000004\.json: tensor '0\.weight'.*delta base"):
+        Vault(url, **options).load(fresh, "000004")
 
 
 def _digest(vault: Vault, name: str) -> str:

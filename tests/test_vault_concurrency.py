@@ -55,13 +55,13 @@ def test_gc_while_a_save_holds_its_intent_keeps_every_object_it_names(
 ) -> None:
     """The save registered its intent, found no gc and is about to reuse objects: a gc that
     runs now must keep them, although no checkpoint references them."""
-    setup = Vault(tmp_path)
+    setup = Vault(tmp_path, compaction=None)  # the save protocol alone
     model = build(1, width=64)
     setup.save(model, "old")
     setup.delete("old")  # every object of `model` is now unreferenced...
     held = object_files(tmp_path)
 
-    saver, collector = Vault(tmp_path), Vault(tmp_path)
+    saver, collector = Vault(tmp_path, compaction=None), Vault(tmp_path, compaction=None)
     freed: list[int] = []
     real_wait = commit.wait_for_gc
 
@@ -141,7 +141,7 @@ def test_gc_racing_a_commit_keeps_the_committed_objects(
 
 
 def test_a_save_waits_for_a_running_gc_and_gives_up_after_gc_wait(tmp_path: Path) -> None:
-    vault = Vault(tmp_path, gc_wait=0.3)
+    vault = Vault(tmp_path, gc_wait=0.3, compaction=None)  # the save's own intent
     vault.save(build(0, width=16))
     marker = tmp_path / "gc" / "running.json"
     marker.parent.mkdir(exist_ok=True)

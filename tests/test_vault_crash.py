@@ -226,13 +226,13 @@ class DyingStore:
 
 def test_a_save_stopped_before_any_store_operation_is_all_or_nothing(tmp_path: Path) -> None:
     width = 32
-    Vault(tmp_path).save(build(0, width=width), metadata={"seed": "0"})
+    Vault(tmp_path, compaction=None).save(build(0, width=width), metadata={"seed": "0"})
 
     # A full save's operations, and the one that commits it.
     # Deltas off: a delta's base chain changes how many reads a save makes, and this test
     # needs the same operations in every save (tests/test_vault_compression_crash.py
     # stops delta saves at every operation).
-    probe = Vault(tmp_path, delta_chain=0)
+    probe = Vault(tmp_path, delta_chain=0, compaction=None)
     probe.store = DyingStore(probe.store, None)  # type: ignore[assignment]
     probe.save(build(1, width=width), metadata={"seed": "1"})
     log = probe.store.log  # type: ignore[attr-defined]
@@ -243,7 +243,7 @@ def test_a_save_stopped_before_any_store_operation_is_all_or_nothing(tmp_path: P
     check_vault(tmp_path, width, seen)
     for k in range(len(log)):
         seed = 100 + k
-        vault = Vault(tmp_path, delta_chain=0)
+        vault = Vault(tmp_path, delta_chain=0, compaction=None)
         vault.store = DyingStore(vault.store, k)  # type: ignore[assignment]
         with pytest.raises(Killed):
             vault.save(build(seed, width=width), metadata={"seed": str(seed)})

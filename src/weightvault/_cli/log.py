@@ -14,6 +14,8 @@ from .._vault.usage import CheckpointUsage, VaultUsage
 
 #: Marks an on-disk size derived from ``new_bytes`` (the record does not hold it).
 DERIVED = "*"
+#: Marks a checkpoint the compactor has not finished yet.
+RAW = "~"
 
 
 def notes(checkpoints: list[CheckpointUsage]) -> list[tuple[str, str]]:
@@ -23,6 +25,11 @@ def notes(checkpoints: list[CheckpointUsage]) -> list[tuple[str, str]]:
         out.append(
             (DERIVED, "not in the record: these objects were written raw (before compression, "
              "or DCP chunks), so on disk = new")
+        )  # fmt: skip
+    if any(not c.compacted for c in checkpoints):
+        out.append(
+            (RAW, "not compacted yet: written raw, compressed (and its predecessor turned "
+             "into deltas on it) by the compactor; 'weightvault vault ROOT compact' runs it")
         )  # fmt: skip
     if any(c.weights_only for c in checkpoints):
         out.append(
@@ -55,7 +62,13 @@ def log_doc(use: VaultUsage) -> dict[str, Any]:
     checkpoints = []
     for r, c in zip(use.records, use.checkpoints, strict=True):
         doc = asdict(r)
-        doc.update(raw_bytes=c.raw_bytes, written_bytes_recorded=c.recorded, ratio=c.ratio)
+        doc.update(
+            raw_bytes=c.raw_bytes,
+            written_bytes_recorded=c.recorded,
+            disk_bytes=c.disk_bytes,
+            compacted=c.compacted,
+            ratio=c.ratio,
+        )
         checkpoints.append(doc)
     total = {k: v for k, v in asdict(use).items() if k not in ("records", "checkpoints")}
     return {"checkpoints": checkpoints, "total": total}

@@ -22,6 +22,7 @@ from typing import Any
 from .._base.errors import BackendNotInstalled
 from .._base.progress import human
 from .._vault.records import CheckpointRecord
+from .._vault.usage import vault_usage
 from .._vault.vault import Vault
 
 #: Metadata keys that hold a checkpoint's training step, tried in this order.
@@ -40,7 +41,8 @@ class Point:
         name: The checkpoint.
         step: Its training step, or ``None``.
         raw_bytes: Its raw bytes (distinct tensors, uncompressed).
-        written_bytes: What its save wrote on disk (its new objects, compressed).
+        written_bytes: What its new objects take on disk now (compressed, or deltas on
+            the next checkpoint's, once compacted).
         vault_bytes: New objects' raw bytes so far (deduplication alone).
         disk_bytes: What the saves so far wrote on disk.
         files_bytes: Raw bytes so far, as separate files.
@@ -93,18 +95,20 @@ def steps(records: list[CheckpointRecord]) -> list[int] | None:
     return None
 
 
-def measure(records: list[CheckpointRecord], path: str) -> BytesPlot:
-    """The points and totals of the plot, without drawing it."""
+def measure(records: list[CheckpointRecord], path: str, disk: list[int] | None = None) -> BytesPlot:
+    """The points and totals of the plot, without drawing it; ``disk`` is what each
+    checkpoint's new objects take on disk now (by default what its save wrote)."""
     found = steps(records) if records else None
     out = BytesPlot(os.fspath(path), "step" if found is not None else "checkpoint")
     for i, r in enumerate(records):
         out.vault_bytes += r.new_bytes
         # A record without written_bytes reads as new_bytes: its objects were raw.
-        out.disk_bytes += r.written_bytes
+        on_disk = r.written_bytes if disk is None else disk[i]
+        out.disk_bytes += on_disk
         out.files_bytes += r.stored_bytes
         step = found[i] if found is not None else None
         out.points.append(
-            Point(r.name, step, r.stored_bytes, r.written_bytes, out.vault_bytes,
+            Point(r.name, step, r.stored_bytes, on_disk, out.vault_bytes,
                   out.disk_bytes, out.files_bytes)
         )  # fmt: skip
     out.ratio = round(out.files_bytes / out.disk_bytes, 2) if out.disk_bytes else 0.0
@@ -137,7 +141,8 @@ def plot(vault: Vault, path: str | os.PathLike[str]) -> BytesPlot:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    data = measure(vault.list(), os.fspath(path))
+    use = vault_usage(vault.store)
+    data = measure(use.records, os.fspath(path), [c.disk_bytes for c in use.checkpoints])
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6.5), dpi=110, sharex=True)
     xs = _cumulative(top, data)
     _per_checkpoint(bottom, data, xs)

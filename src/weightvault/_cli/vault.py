@@ -11,11 +11,11 @@ from typing import Any, TextIO
 from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
-from .._vault.records import read_doc
 from .._vault.store import open_store
 from .._vault.usage import vault_usage
 from .._vault.vault import Vault
 from .common import (
+    EXIT_FAILED,
     EXIT_OK,
     Subparsers,
     add_command,
@@ -26,7 +26,7 @@ from .common import (
     tolerance,
 )
 from .describe import describe, show
-from .log import DERIVED, log_doc, notes, summary, times
+from .log import DERIVED, RAW, log_doc, notes, summary, times
 from .plot import plot
 
 EPILOG = """\
@@ -94,9 +94,9 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
     rows = [["checkpoint", "created", "raw", "new", "on disk", "disk/raw", "metadata"]]
     for r, c in zip(use.records, use.checkpoints, strict=True):
         meta = " ".join(f"{k}={_short(v)}" for k, v in r.metadata.items())
-        written = human(c.written_bytes) + ("" if c.recorded else DERIVED)
+        disk = human(c.disk_bytes) + ("" if c.recorded else DERIVED) + ("" if c.compacted else RAW)
         rows.append(
-            [r.name, _when(r.created), human(c.raw_bytes), human(c.new_bytes), written,
+            [r.name, _when(r.created), human(c.raw_bytes), human(c.new_bytes), disk,
              times(c.ratio) if c.ratio is not None else "-", meta]
         )  # fmt: skip
     table(rows, out)
@@ -111,11 +111,13 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     with vault.open(args.name) as ckpt:
         info, training = describe(ckpt)
         record = ckpt.record
+    use = vault_usage(vault.store)
+    c = next(c for c in use.checkpoints if c.name == record.name)
     # As in log: a record without written_bytes had its objects written raw.
-    raw = "" if "written_bytes" in read_doc(vault.store, record.name) else ", written raw"
+    state = "" if c.compacted else ", not compacted yet"
     heading = (
         f"{record.name}: created {_when(record.created)}, {len(info.names)} names, "
-        f"new bytes {human(record.new_bytes)} ({human(record.written_bytes)} on disk{raw})"
+        f"new bytes {human(record.new_bytes)} ({human(c.disk_bytes)} on disk{state})"
     )
     show(info, training, heading, out, as_json=args.json, extra={"record": asdict(record)})
     return EXIT_OK
@@ -152,6 +154,28 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"removed {key}, the marker of a gc that died\n")
         out.write(f"freed {human(freed)}; vault now {human(before - freed)}\n")
     return EXIT_OK
+
+
+def cmd_compact(args: argparse.Namespace, out: TextIO) -> int:
+    vault = _vault(args)
+    report = vault.compact()
+    if args.json:
+        print_json(asdict(report), out)
+        return EXIT_OK
+    for line in report.damaged:
+        out.write(f"left as it is, damaged: {line}\n")
+    if report.busy:
+        out.write("another process is compacting this vault; it does the rest\n")
+    elif not report.checkpoints:
+        out.write("nothing to compact\n")
+    else:
+        n, full = len(report.checkpoints), report.full
+        out.write(
+            f"compacted {n} checkpoint{'s' if n != 1 else ''}: {full} object"
+            f"{'s' if full != 1 else ''} compressed, {report.deltas} turned into deltas; "
+            f"{human(report.bytes_before)} on disk before, {human(report.bytes_after)} after\n"
+        )
+    return EXIT_OK if not report.damaged else EXIT_FAILED
 
 
 def cmd_export(args: argparse.Namespace, out: TextIO) -> int:
@@ -213,8 +237,8 @@ def register(sub: Subparsers) -> None:
     verb(
         "log",
         cmd_log,
-        "List checkpoints, oldest first, with each one's raw bytes, what its save wrote on "
-        "disk, and the vault's total.",
+        "List checkpoints, oldest first, with each one's raw bytes, what its new objects "
+        "take on disk (marked ~ until compacted), and the vault's total.",
     )
     p = verb("show", cmd_show, "List the tensors of one checkpoint (by default the newest).")
     p.add_argument("name", nargs="?", default="latest", help="a checkpoint, or 'latest'")
@@ -228,6 +252,12 @@ def register(sub: Subparsers) -> None:
         "--break-lock",
         action="store_true",
         help="first remove the markers of gcs that died (refused while one may be running)",
+    )
+    verb(
+        "compact",
+        cmd_compact,
+        "Compress what saves wrote raw, and turn each checkpoint's objects into deltas on "
+        "the next one's (the newest stays whole); exit 1 if a damaged object was found.",
     )
     p = verb("export", cmd_export, "Write one checkpoint as a standalone safetensors file.")
     p.add_argument("name", help="the checkpoint, or 'latest'")

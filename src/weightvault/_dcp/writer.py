@@ -188,7 +188,7 @@ class VaultWriter(StorageWriter):
         try:
             # Chunks stay raw: each rank's load reads its ranges straight into the
             # destination tensors, which a compressed frame would first have to decode.
-            new = store_missing(store, objects, encoder=Encoder(store, None, {}, {}))
+            new = store_missing(store, objects, encoder=Encoder())
         except BaseException:
             release(store, [intent])
             raise

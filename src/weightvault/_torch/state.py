@@ -6,6 +6,7 @@ this module reads them out of ``torch.optim`` objects and writes them back.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 from .. import _training
 from .._base.background import SnapshotPool
 from .._base.errors import TrainingStateError
+from .._base.pools import LazyPool
 from .._file import layout
 from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX
@@ -169,10 +171,23 @@ def _rng_section(sources: list[Source]) -> dict[str, Any]:
 
 
 def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
-    """A tensor of its own (never the file mapping) for a stored training-state name."""
+    """A tensor of its own (a private copy read from the file, never its mapping) for a
+    stored training-state name."""
     stored = _stored(ckpt, name)
     assert stored is not None  # checked by _known before anything is read
-    return stored_tensor(ckpt, stored, mmap=False).clone()
+    return stored_tensor(ckpt, stored, mmap=False)
+
+
+def _read_all(ckpt: Checkpoint, names: list[str]) -> list[torch.Tensor]:
+    """:func:`_read` of each name, several at once (reads and decoding release the GIL):
+    an optimizer's state is most of a checkpoint's bytes."""
+    if len(names) < 2:
+        return [_read(ckpt, n) for n in names]
+    return list(_state_readers().map(lambda n: _read(ckpt, n), names))
+
+
+#: The threads that read optimizer state, kept between loads.
+_state_readers = LazyPool(min(4, os.cpu_count() or 1), "weightvault-state")
 
 
 def _known(ckpt: Checkpoint) -> Callable[[str], bool]:
@@ -237,6 +252,7 @@ def _prepare_optimizer(
     out.optimizer = fill.report
     # Read every tensor now: the file may be closed, and nothing may fail, once applying.
     state_dict: dict[str, Any] = {"state": {}, "param_groups": []}
+    reads: list[tuple[int, str, str]] = []  # (state index, key, stored name)
     index = 0
     for gi, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -248,11 +264,13 @@ def _prepare_optimizer(
             disk = fill.fill.get((gi, pi))
             if disk is not None:
                 rec = saved.params[disk]
-                state = {**rec.values, **{k: _read(ckpt, t) for k, t in rec.tensors.items()}}
+                state_dict["state"][index + pi] = dict(rec.values)
+                reads += [(index + pi, k, t) for k, t in rec.tensors.items()]
                 needed += rec.tensors.values()
-                state_dict["state"][index + pi] = state
         index += len(group["params"])
         state_dict["param_groups"].append(hyper)
+    for (i, key, _), tensor in zip(reads, _read_all(ckpt, [t for *_, t in reads]), strict=True):
+        state_dict["state"][i][key] = tensor
     return lambda: optimizer.load_state_dict(state_dict)
 
 

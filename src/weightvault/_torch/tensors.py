@@ -124,8 +124,11 @@ def stored_tensor(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
         return torch.empty(info.shape, dtype=dtype)
     if not mmap:
         # A private copy read with preadv: a file truncated meanwhile is a FormatError,
-        # where copying out of the map would die of SIGBUS.
-        flat = torch.frombuffer(ckpt.read(stored), dtype=torch.uint8)
+        # where copying out of the map would die of SIGBUS. Into memory torch.empty does
+        # not zero first: the read fills every byte.
+        flat = torch.empty(info.nbytes, dtype=torch.uint8)
+        if not ckpt.read_into(stored, memoryview(flat.numpy())):  # type: ignore[arg-type]
+            flat = torch.frombuffer(ckpt.read(stored), dtype=torch.uint8)
         return flat.view(dtype).reshape(info.shape)
     data = ckpt.raw(stored)
     if data.readonly:

@@ -23,7 +23,7 @@ from .._base.errors import FormatError
 from .._file.checkpoint import checksum_error
 from .codec import BLOCK, codec_pool
 from .dcp_record import KIND, DcpCheckpoint
-from .frame import drop_buffers
+from .frame import blocks_intact, drop_buffers
 from .objects import (
     DIGEST,
     ObjectCheckpoint,
@@ -87,6 +87,10 @@ class VaultCheckpoint(ObjectCheckpoint):
         self._kept: dict[str, memoryview] = {}
         self._arenas: list[_Arena] = []  # what stage() decodes kept objects into
         self._handles: dict[str, OpenObject] = {}
+        #: Objects stage() checked by their block sums: decoded once, by read_into/raw.
+        self._direct: set[str] = set()
+        #: Objects read and checked against their checksums in the same pass.
+        self._verified: set[str] = set()
         self._files: dict[str, bytes] = {}
         self._lock = threading.Lock()
         super().__init__(
@@ -133,8 +137,10 @@ class VaultCheckpoint(ObjectCheckpoint):
         kept = self._kept.get(stored)
         if kept is not None:
             return kept
-        with self._open(stored) as obj:
+        with self._handles.pop(stored, None) or self._open(stored) as obj:
             out = None if obj.raw and not self._files else self._decoded(stored, obj)
+        if out is not None:
+            self._checked(stored, out)
         if out is None:
             # A raw local object: its file's mapping, as a single file's raw() gives.
             try:
@@ -165,9 +171,28 @@ class VaultCheckpoint(ObjectCheckpoint):
                 obj.decode_into(buffer)
             except FormatError as e:
                 raise damaged(self.path, stored, str(e)) from None
+        self._checked(stored, buffer)
         return True
 
+    def _checked(self, stored: str, data: memoryview) -> None:
+        """Check bytes just read or decoded against their checksum, in the same pass (they
+        are still in the CPU's caches), and remember it: a later :meth:`check` (the load's
+        verify of training state, read before the weights are staged) reads nothing again.
+
+        Raises:
+            ChecksumError: They do not match. After stage() checked the object's blocks,
+                only a codec fault gets here; the destination may then hold part of it.
+        """
+        if stored in self._verified:
+            return
+        if not self._matches(stored, data):
+            raise checksum_error(self.path, [stored])
+        with self._lock:
+            self._verified.add(stored)
+
     def check(self, stored: str) -> bool:
+        if stored in self._verified:
+            return True  # read and checked already, in the same pass
         kept = self._kept.get(stored)
         if kept is not None:
             return self._matches(stored, kept)
@@ -270,6 +295,21 @@ class VaultCheckpoint(ObjectCheckpoint):
         obj: OpenObject | None = self._open(stored)
         assert obj is not None
         try:
+            if stored not in self._kept and _summed(obj):
+                # Every block's sum checked by reading it, none decoded: read_into then
+                # decodes each block once, straight into the tensor, and checks the
+                # tensor's own checksum on the way (one pass, issue 27).
+                ok = all(
+                    blocks_intact(f.preadv, f.read, frame)
+                    for _, f, frame in obj.links
+                    if frame is not None  # _summed: every link is
+                )
+                with self._lock:
+                    if ok and len(self._handles) < _HANDLES and stored not in self._handles:
+                        self._handles[stored], obj = obj, None
+                    if ok:
+                        self._direct.add(stored)
+                return ok
             if not obj.raw and (stored in self._kept or self._reserve(obj.size)):
                 if stored not in self._kept:
                     out = self._arenas[-1].take(obj.size)
@@ -281,6 +321,9 @@ class VaultCheckpoint(ObjectCheckpoint):
                 if not buffer or buffer[0].nbytes < obj.window:
                     buffer[:] = [memoryview(bytearray(obj.window))]
                 ok = self._streamed(stored, obj, buffer[0], verify=verify)
+                if ok and verify:
+                    with self._lock:
+                        self._verified.add(stored)  # read_into need not hash it again
             # read_into() reads it again: kept open for it, up to a number of descriptors.
             with self._lock:
                 if ok and len(self._handles) < _HANDLES and stored not in self._handles:
@@ -294,6 +337,8 @@ class VaultCheckpoint(ObjectCheckpoint):
         for obj in list(self._handles.values()):
             obj.close()
         self._handles.clear()
+        self._direct.clear()
+        self._verified.clear()
         self._kept.clear()
         self._arenas.clear()  # unmapped once no view of them is left
         self._files.clear()
@@ -308,6 +353,11 @@ _NUMPY_COPY = 1 << 16
 #: Objects a load keeps open between stage() and read_into(), at most (each holds a
 #: descriptor per link of its chain).
 _HANDLES = 128
+
+
+def _summed(obj: OpenObject) -> bool:
+    """Whether every link of ``obj``'s chain is a frame with block sums (version 2)."""
+    return all(frame is not None and frame.version >= 2 for _, _, frame in obj.links)
 
 
 class _Arena:

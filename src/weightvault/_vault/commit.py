@@ -137,13 +137,13 @@ def store_missing(
         pool: Threads to check and write on (by default this process's save threads).
         wrote: Called with each written object's digest and raw bytes (from those threads).
         encoder: Turns raw bytes into the file's bytes; by default each object is
-            compressed (no deltas) with the default codec, when that pays.
+            compressed in full with the default codec, when that pays.
         writing: Called once with the digests about to be written (for progress).
         written: Called with each digest once it is encoded and staged, on the calling
             thread (for progress).
     """
     pool = pool or workers()
-    encoder = encoder or Encoder(store, CODECS[DEFAULT], {}, {})
+    encoder = encoder or Encoder(CODECS[DEFAULT])
     digests = list(objects)
     sizes = each(pool, lambda d: stored_depth(store, d, objects[d][0]), digests)
     missing = [d for d, depth in zip(digests, sizes, strict=True) if depth is None]

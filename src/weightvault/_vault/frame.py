@@ -1,22 +1,27 @@
 """The object frame: how a vault object that is not a tensor's raw bytes says what it is.
 
-An object file under ``objects/`` is either the tensor's raw bytes (every object written
-before frames existed, and any object compression did not shrink) or a frame::
+An object file under ``objects/`` is either the tensor's raw bytes (every object a save
+writes, every object written before frames existed, and any object compression did not
+shrink) or a frame::
 
     offset  size  field
     0       8     magic  b"\\x89WVO\\r\\n\\x1a\\n"
-    8       1     frame version (1)
+    8       1     frame version (2; version 1 frames are still read)
     9       1     codec id (0 stored, 1 blosc2: byte planes + zstd; see .codec)
     10      1     item size: the byte planes each block was split into (1 to 255)
     11      1     kind: 0 a full object; a delta otherwise, whose payload is the
                   transform of :mod:`.diff` with this id applied to raw and base
                   (1 XOR, 2 zigzag integer difference of item-size words)
-    12      2     depth: 0 for a full object, a delta's is its base's plus one
+    12      2     depth: 0 for a full object; a delta's chain depth when it was written
+                  (version 1: exactly its base's plus one; version 2: a hint, since the
+                  compactor later turns a delta's full base into a delta itself)
     14      2     reserved, 0
     16      8     raw size: the bytes the object stands for (its name is their blake3)
     24      8     block size: raw bytes per block (the last block may be shorter)
     32      32    base: the blake3 digest of the delta's base object (zeros if full)
-    64      8*n   the compressed length of each of the n = ceil(raw / block) blocks
+    64      e*n   the block table, one entry per block of the n = ceil(raw / block):
+                  version 1 (e = 8): the block's compressed length; version 2 (e = 16):
+                  its compressed length, then the xxh3-64 of its compressed bytes
     ...           the blocks, in order
 
 All integers are little-endian. The object is still named by the blake3 of its RAW
@@ -25,6 +30,11 @@ never exactly as long as its raw bytes (a compressed frame is kept only when sho
 a stored one is longer by its header), so a reader that knows the tensor's size tells a
 raw object from a frame by its length; one that does not (a ranged DCP read) goes by the
 magic, which raw bytes starting with it never are (they are written as a stored frame).
+
+The block sums of version 2 let a load check a compressed object by reading it, without
+decoding it a second time (:func:`blocks_intact`): a frame is written only from raw bytes
+whose blake3 matched the object's name, so blocks that are the bytes written decode to
+the right tensor.
 
 Everything here is bytes in, bytes out; :mod:`.objects` reads frames from a store and
 follows delta chains. Errors here say what is wrong with the frame; the readers add
@@ -46,6 +56,8 @@ from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import xxhash
+
 from .._base.errors import FormatError
 from .codec import BLOCK, CODECS, STORED, Codec, codec_pool, compress_block, decompress_block
 from .diff import KINDS, apply_delta
@@ -55,7 +67,9 @@ __all__ = [
     "MAGIC",
     "MAX_DEPTH",
     "VERSION",
+    "VERSIONS",
     "Frame",
+    "blocks_intact",
     "decode_into",
     "decode_range",
     "drop_buffers",
@@ -67,7 +81,9 @@ __all__ = [
 ]
 
 MAGIC = b"\x89WVO\r\n\x1a\n"
-VERSION = 1
+VERSION = 2
+#: Frame versions this code reads; version 1 has no block sums and strict depths.
+VERSIONS = (1, 2)
 _HEADER = struct.Struct("<8sBBBBHHQQ32s")
 HEADER_SIZE = _HEADER.size  # 64
 #: The longest delta chain a reader follows; writers keep far shorter ones (see .delta).
@@ -93,12 +109,25 @@ class Frame:
     block_size: int
     base: str | None
     lengths: tuple[int, ...]
+    version: int = VERSION
+    #: The xxh3-64 of each compressed block (version 2; empty for version 1).
+    sums: tuple[int, ...] = ()
+
+    @property
+    def table_end(self) -> int:
+        """Where the first block starts: after the header and the block table."""
+        return HEADER_SIZE + _entry(self.version) * len(self.lengths)
 
     def block(self, i: int) -> tuple[int, int, int]:
         """Block ``i``'s ``(raw start, raw length, file offset)``."""
         start = i * self.block_size
-        offset = HEADER_SIZE + 8 * len(self.lengths) + sum(self.lengths[:i])
+        offset = self.table_end + sum(self.lengths[:i])
         return start, min(self.block_size, self.raw_size - start), offset
+
+
+def _entry(version: int) -> int:
+    """Bytes of one block-table entry in a frame of ``version``."""
+    return 8 if version == 1 else 16
 
 
 def is_frame(data: bytes | memoryview) -> bool:
@@ -133,7 +162,8 @@ def encode_frame(
         MAGIC, VERSION, codec.id, planes, kind if base else 0, depth, 0,
         raw.nbytes, BLOCK, bytes.fromhex(base) if base else bytes(32),
     )  # fmt: skip
-    table = struct.pack(f"<{len(blocks)}Q", *(len(b) for b in blocks))
+    entries = [v for b in blocks for v in (len(b), xxhash.xxh3_64_intdigest(b))]
+    table = struct.pack(f"<{len(entries)}Q", *entries)
     return [header + table, *blocks]
 
 
@@ -146,7 +176,7 @@ def _fields(data: memoryview) -> tuple[int, ...]:
         ) from None
     if magic != MAGIC:
         raise FormatError("the object is not a frame (bad magic)")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise FormatError(f"unknown object frame version {version}; upgrade weightvault")
     if codec != STORED.id and codec not in {c.id for c in CODECS.values()}:
         raise FormatError(f"unknown codec id {codec}; upgrade weightvault")
@@ -157,7 +187,8 @@ def _fields(data: memoryview) -> tuple[int, ...]:
         raise FormatError(f"inconsistent frame header (kind {kind}, depth {depth})")
     if delta == (base == bytes(32)) or not _MIN_BLOCK <= block <= _MAX_BLOCK:
         raise FormatError("inconsistent frame header (base or block size)")
-    return codec, planes, kind, depth, raw, block, int.from_bytes(base, "big") if delta else -1
+    based = int.from_bytes(base, "big") if delta else -1
+    return codec, planes, kind, depth, raw, block, based, version
 
 
 def parse_frame_header(data: memoryview) -> Frame:
@@ -166,9 +197,9 @@ def parse_frame_header(data: memoryview) -> Frame:
     Raises:
         FormatError: The header is inconsistent or of an unknown version.
     """
-    codec, planes, kind, depth, raw, block, base = _fields(data.cast("B"))
+    codec, planes, kind, depth, raw, block, base, version = _fields(data.cast("B"))
     digest = f"{base:064x}" if base >= 0 else None
-    return Frame(codec, planes, kind, depth, raw, block, digest, ())
+    return Frame(codec, planes, kind, depth, raw, block, digest, (), version)
 
 
 def parse_frame(data: memoryview, expected: int | None, size: int | None = None) -> Frame:
@@ -187,21 +218,23 @@ def parse_frame(data: memoryview, expected: int | None, size: int | None = None)
     """
     data = data.cast("B")
     size = data.nbytes if size is None else size
-    codec, planes, kind, depth, raw, block, base = _fields(data)
+    codec, planes, kind, depth, raw, block, base, version = _fields(data)
     if expected is not None and raw != expected:
         raise FormatError(f"the frame claims {raw} raw bytes, the record says {expected}")
     n = -(-raw // block)
-    if HEADER_SIZE + 8 * n > min(size, data.nbytes):
+    entry = _entry(version)
+    if HEADER_SIZE + entry * n > min(size, data.nbytes):
         raise FormatError(f"the frame's block table ({n} blocks) runs past its end (truncated)")
-    lengths = struct.unpack_from(f"<{n}Q", data, HEADER_SIZE)
-    total = HEADER_SIZE + 8 * n + sum(lengths)
+    table = struct.unpack_from(f"<{n * entry // 8}Q", data, HEADER_SIZE)
+    lengths, sums = (table, ()) if version == 1 else (table[0::2], table[1::2])
+    total = HEADER_SIZE + entry * n + sum(lengths)
     if total != size:
         raise FormatError(
             f"the frame's blocks add up to {total} bytes, the object holds {size} "
             "(truncated or padded)"
         )
     digest = f"{base:064x}" if base >= 0 else None
-    return Frame(codec, planes, kind, depth, raw, block, digest, tuple(lengths))
+    return Frame(codec, planes, kind, depth, raw, block, digest, tuple(lengths), version, sums)
 
 
 def table_size(head: memoryview) -> int:
@@ -210,8 +243,8 @@ def table_size(head: memoryview) -> int:
     Raises:
         FormatError: The header is inconsistent or of an unknown version.
     """
-    _, _, _, _, raw, block, _ = _fields(head.cast("B"))
-    return HEADER_SIZE + 8 * -(-raw // block)
+    _, _, _, _, raw, block, _, version = _fields(head.cast("B"))
+    return HEADER_SIZE + _entry(version) * -(-raw // block)
 
 
 #: Reads ``length`` bytes of a frame's file at ``offset`` (a slice, or a ``pread``).
@@ -258,7 +291,7 @@ def decode_range(
     if not 0 <= start <= end <= frame.raw_size:
         raise FormatError(f"bytes [{start}, {end}) lie outside the object's {frame.raw_size}")
     first, last = start // frame.block_size, -(-end // frame.block_size)
-    offsets = [HEADER_SIZE + 8 * len(frame.lengths)]
+    offsets = [frame.table_end]
     for length in frame.lengths[: max(0, last - 1)]:
         offsets.append(offsets[-1] + length)
     wanted = [i for i in range(first, last) if i * frame.block_size < frame.raw_size]
@@ -299,6 +332,37 @@ def decode_range(
     else:
         for i in wanted:
             one(i)
+
+
+def blocks_intact(read_into: ReadInto | None, read: Read, frame: Frame) -> bool | None:
+    """Whether every compressed block of ``frame`` holds the bytes its table's sum says
+    (``None`` for a version 1 frame, which has no sums: decode it to check it).
+
+    One read of the file, no decoding; ``read_into`` (a ``preadv``) reads into a reused
+    buffer, else ``read`` slices.
+    """
+    if frame.version == 1:
+        return None
+    offset = frame.table_end
+    for length, expected in zip(frame.lengths, frame.sums, strict=True):
+        if read_into is None:
+            src: bytes | memoryview = read(offset, length)
+            ok = len(src) == length and xxhash.xxh3_64_intdigest(src) == expected
+        else:
+            buffer = _BUFFERS.take(length)
+            try:
+                with memoryview(buffer)[:length] as view:
+                    try:
+                        read_into(offset, view)
+                    except FormatError:
+                        return False
+                    ok = xxhash.xxh3_64_intdigest(view) == expected
+            finally:
+                _BUFFERS.give(buffer)
+        if not ok:
+            return False
+        offset += length
+    return True
 
 
 class _Buffers:

@@ -378,7 +378,7 @@ def chain(
         if frame is None and nbytes is not None and f.size != nbytes:
             raise FormatError(f"object {digest[:12]} holds {f.size} bytes, expected {nbytes}")
         if links:
-            _check_base(links[-1], digest, frame)
+            _check_base(links, digest, frame)
         links.append((digest, f, frame))
         if frame is None or frame.base is None:
             return links
@@ -402,21 +402,34 @@ def _frame_of(f: ObjectFile, nbytes: int | None) -> Frame | None:
     # The table is read only once the header says it fits in the file.
     table = table_size(head)
     if table > f.size:
-        blocks = (table - HEADER_SIZE) // 8
+        blocks = -(-header.raw_size // header.block_size)
         raise FormatError(
             f"the frame's block table ({blocks} blocks) runs past its end (truncated)"
         )
     return parse_frame(memoryview(f.read(0, table)), nbytes, f.size)
 
 
-def _check_base(delta: Link, digest: str, frame: Frame | None) -> None:
-    parent = delta[2]
+def _check_base(links: list[Link], digest: str, frame: Frame | None) -> None:
+    """Check that ``digest`` (``frame``) can be the base of the last link's delta.
+
+    Version 1 frames (forward deltas, issue 20) name a base exactly one level shallower.
+    Version 2 frames record their depth as written, and the compactor later turns their
+    full bases into deltas of newer objects, so there only the chain as a whole is
+    bounded: no object twice (a cycle) and at most :data:`~.frame.MAX_DEPTH` links.
+    """
+    parent = links[-1][2]
     assert parent is not None
     depth = frame.depth if frame else 0
-    if depth != parent.depth - 1:
+    if parent.version == 1 and (frame is None or frame.version == 1):
+        if depth != parent.depth - 1:
+            raise FormatError(
+                f"delta base {digest[:12]} has depth {depth}, expected {parent.depth - 1} "
+                "(a broken or cyclic delta chain)"
+            )
+    elif any(d == digest for d, _, _ in links) or len(links) >= MAX_DEPTH:
         raise FormatError(
-            f"delta base {digest[:12]} has depth {depth}, expected {parent.depth - 1} "
-            "(a broken or cyclic delta chain)"
+            f"delta base {digest[:12]} makes a chain of {len(links) + 1} objects "
+            "(a cyclic or overlong delta chain)"
         )
     if frame is not None and frame.itemsize != parent.itemsize:
         raise FormatError(

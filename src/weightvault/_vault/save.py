@@ -3,7 +3,9 @@
 From a model's sources to a committed record: plan the stored tensors (ties and copies
 found, as for a single file), hash each one once on every core, commit through
 :mod:`.commit`, and write the record: the header the checkpoint would have as one file,
-with the xxh3 checksum of every tensor, which loads check.
+with the xxh3 checksum of every tensor, which loads check. Objects are written as their
+raw bytes, the least work a commit needs: the compactor (:mod:`.compact`) compresses
+them, and turns the previous checkpoint's into deltas against them, after the commit.
 
 Checksums cost a pass over the bytes, so they are known by object: a present object's
 checksum comes from this process's earlier saves (:class:`Checksums`) or, in its first
@@ -20,7 +22,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .._base.dtypes import ITEMSIZE
 from .._base.errors import CheckpointNotFoundError, FormatError
 from .._file.header import TensorInfo, encode_header
 from .._file.layout import with_training
@@ -29,7 +30,8 @@ from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
 from .checkpoint import VaultCheckpoint
 from .commit import begin, commit_record, each, release, store_missing, workers
-from .delta import Encoder, Storage, delta_base
+from .compact import mark
+from .delta import Encoder
 from .objects import checksum, content_hash, is_temp
 from .records import VERSION, CheckpointRecord, parse_record, read_doc
 from .store import Store
@@ -134,63 +136,6 @@ def _checksum_rest(
         sums[digest] = value
 
 
-def _bases(
-    pool: ThreadPoolExecutor,
-    placed: Placed,
-    digests: Mapping[str, str],
-    storage: Storage,
-    store: Store,
-) -> dict[str, str]:
-    """``{digest: base digest}``: for each changed tensor, its object in the parent
-    checkpoint (same name, dtype and shape), or the key object of that object's chain
-    once the chain is ``max_chain`` deep (:func:`~.delta.delta_base`)."""
-    if storage.codec is None or storage.max_chain <= 0:
-        return {}
-    parent = storage.parent_tensors(store)
-    earlier = storage.before_parent() or {}
-    changed: list[tuple[str, str, int, str | None]] = []
-    for s, info in placed:
-        old = parent.get(s.name)
-        if old is None or (old[1], old[2]) != (info.dtype, info.shape):
-            continue
-        if old[0] != digests[s.name] and (storage.training_deltas or not storage.training(s.name)):
-            back = earlier.get(s.name)
-            changed.append((digests[s.name], old[0], info.nbytes, back[0] if back else None))
-    # On the pool: a process's first save reads each parent's frame header (a round trip
-    # each on a remote store), where a vault that saved before knows them.
-    found = each(
-        pool,
-        lambda c: delta_base(store, storage.cache, c[1], c[2], storage.max_chain, c[3]),
-        changed,
-    )
-    out: dict[str, str] = {}
-    for (digest, *_), base in zip(changed, found, strict=True):
-        if base is not None:
-            out.setdefault(digest, base)
-    return out
-
-
-def _encoder(
-    store: Store,
-    storage: Storage,
-    placed: Placed,
-    digests: Mapping[str, str],
-    bases: Mapping[str, str],
-) -> Encoder:
-    """How this save writes its objects: byte planes by dtype, deltas against ``bases``,
-    and the raw bytes of possible future bases kept in the vault's cache."""
-    keep = [d for n, d in digests.items() if storage.training_deltas or not storage.training(n)]
-    return Encoder(
-        store,
-        storage.codec,
-        itemsizes={digests[s.name]: ITEMSIZE[info.dtype] for s, info in placed},
-        bases=bases,
-        cache=storage.cache,
-        keep=frozenset(keep),
-        max_chain=storage.max_chain,
-    )
-
-
 def _store(
     store: Store,
     pool: ThreadPoolExecutor,
@@ -279,9 +224,10 @@ def save_sources(
     progress: Progress | None,
     sums: Checksums,
     gc_wait: float,
-    storage: Storage,
+    to_compact: bool = False,
 ) -> CheckpointRecord:
-    """Commit ``sources`` (and ``training``'s section) as one checkpoint.
+    """Commit ``sources`` (and ``training``'s section) as one checkpoint; with
+    ``to_compact``, leave it to the compactor (:func:`~.compact.mark`).
 
     Raises:
         CheckpointExistsError: Another writer took ``name`` first.
@@ -291,18 +237,18 @@ def save_sources(
     placed = layout(p.stored)
     pool = workers()
     digests = _address(pool, placed, sums, progress)
-    bases = _bases(pool, placed, digests, storage, store)
-    # The intent names the bases too: gc keeps them while this save XORs against them.
-    intent = begin(store, [*digests.values(), *bases.values()], gc_wait=gc_wait)
-    encoder = _encoder(store, storage, placed, digests, bases)
+    intent = begin(store, digests.values(), gc_wait=gc_wait)
     try:
-        new_bytes, written = _store(store, pool, placed, digests, sums, encoder, progress)
+        # Raw bytes: compression and deltas are the compactor's, after the commit.
+        new_bytes, written = _store(store, pool, placed, digests, sums, Encoder(), progress)
         _checksum_rest(store, pool, placed, digests, sums)
         doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
         doc["written_bytes"] = written
         name = commit_record(store, doc, name)
+        if to_compact:
+            # A crash just here leaves the checkpoint raw (loadable, only larger), and
+            # the next checkpoint's compaction still encodes its objects.
+            mark(store, name)
     finally:
         release(store, [intent])
-    storage.saved({s.name: (digests[s.name], info.dtype, info.shape) for s, info in placed})
-    storage.cache.keep_only(set(digests.values()))
     return parse_record(name, doc, name)

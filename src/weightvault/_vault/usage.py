@@ -1,17 +1,20 @@
 """What each checkpoint of a vault cost on disk, and what the whole vault takes.
 
-Three byte counts describe a checkpoint (all from its record):
+Four byte counts describe a checkpoint:
 
 - **raw**: its distinct tensor bytes, uncompressed (``stored_bytes``: what one
   deduplicated safetensors file of it holds);
 - **new**: the raw bytes of the objects its save added (the rest were in the vault);
-- **on disk**: what those new objects' files took when it was saved, compressed or as
-  deltas (``written_bytes``).
+- **written**: what its save wrote for them (``written_bytes``: raw bytes since issue 27,
+  which left compression to the compactor);
+- **on disk**: what the files of those objects (the ones no earlier checkpoint names)
+  take now: compressed, or deltas on the next checkpoint's, once compacted.
 
 Records written before objects were compressed, and DCP records, hold no
 ``written_bytes``. Their objects were written raw (DCP chunks stay raw so that loads read
-ranges straight into tensors), so their size on disk is their raw size, ``new_bytes``:
-:attr:`CheckpointUsage.recorded` says when the figure was derived that way.
+ranges straight into tensors), so what they wrote is their raw size, ``new_bytes``:
+:attr:`CheckpointUsage.recorded` says when the figure was derived that way. DCP records
+name chunks, not objects, so their size on disk is what they wrote.
 
 A checkpoint whose training state was dropped later (``weights_only``) has a raw size of
 its weights only, while its save wrote the training state too: its ratio is ``None``
@@ -21,12 +24,16 @@ Example:
     >>> u = vault_usage(vault.store)           # docs/cli.md's vault
     >>> [c.ratio for c in u.checkpoints]       # on disk / raw, per checkpoint
     [0.8385, 0.051, 0.0509]
+    >>> [c.compacted for c in u.checkpoints]
+    [True, True, True]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from .compact import pending
 from .records import CheckpointRecord, list_docs
 from .store import Store
 
@@ -48,12 +55,14 @@ class CheckpointUsage:
         name: The checkpoint.
         raw_bytes: Its distinct tensor bytes, uncompressed.
         new_bytes: Raw bytes of the objects its save added to the vault.
-        written_bytes: What those objects took on disk when it was saved.
+        written_bytes: What its save wrote for those objects.
         recorded: Whether the record holds ``written_bytes``; ``False`` when it was
             derived as ``new_bytes`` (objects written raw: before compression, or DCP).
         weights_only: Its training state was dropped after it was saved.
-        ratio: ``written_bytes / raw_bytes``; ``None`` when ``raw_bytes`` is 0 or the
-            checkpoint is weights-only (its raw size no longer counts what was written).
+        disk_bytes: What the objects it was the first to name take on disk now.
+        compacted: Whether the compactor is done with it (else its objects are raw).
+        ratio: ``disk_bytes / raw_bytes``; ``None`` when ``raw_bytes`` is 0 or the
+            checkpoint is weights-only (its raw size no longer counts what it holds).
     """
 
     name: str
@@ -63,10 +72,16 @@ class CheckpointUsage:
     recorded: bool
     weights_only: bool
     ratio: float | None
+    disk_bytes: int = 0
+    compacted: bool = True
 
 
-def checkpoint_usage(record: CheckpointRecord, recorded: bool) -> CheckpointUsage:
-    """``record``'s bytes; ``recorded`` says whether its document held ``written_bytes``."""
+def checkpoint_usage(
+    record: CheckpointRecord, recorded: bool, disk_bytes: int | None = None, compacted: bool = True
+) -> CheckpointUsage:
+    """``record``'s bytes; ``recorded`` says whether its document held ``written_bytes``,
+    ``disk_bytes`` what its first objects take now (by default what it wrote)."""
+    disk = record.written_bytes if disk_bytes is None else disk_bytes
     return CheckpointUsage(
         name=record.name,
         raw_bytes=record.stored_bytes,
@@ -75,7 +90,9 @@ def checkpoint_usage(record: CheckpointRecord, recorded: bool) -> CheckpointUsag
         written_bytes=record.written_bytes,
         recorded=recorded,
         weights_only=record.weights_only,
-        ratio=None if record.weights_only else _ratio(record.written_bytes, record.stored_bytes),
+        ratio=None if record.weights_only else _ratio(disk, record.stored_bytes),
+        disk_bytes=disk,
+        compacted=compacted,
     )
 
 
@@ -104,9 +121,19 @@ class VaultUsage:
 
 
 def vault_usage(store: Store) -> VaultUsage:
-    """Every checkpoint's bytes and the vault's, from one listing of its records."""
+    """Every checkpoint's bytes and the vault's, from one listing of its records and one
+    of its objects."""
     pairs = list_docs(store)
-    checkpoints = [checkpoint_usage(r, "written_bytes" in doc) for r, doc in pairs]
+    sizes = {b.key.rsplit("/", 1)[-1]: b.size for b in store.list("objects")}
+    todo = set(pending(store))
+    seen: set[str] = set()
+    checkpoints = []
+    for r, doc in pairs:
+        checkpoints.append(
+            checkpoint_usage(
+                r, "written_bytes" in doc, _first(doc, seen, sizes), r.name not in todo
+            )
+        )
     raw = sum(c.raw_bytes for c in checkpoints)
     disk = sum(b.size for b in store.list(""))
     return VaultUsage(
@@ -114,7 +141,18 @@ def vault_usage(store: Store) -> VaultUsage:
         checkpoints=checkpoints,
         raw_bytes=raw,
         written_bytes=sum(c.written_bytes for c in checkpoints),
-        object_bytes=sum(b.size for b in store.list("objects")),
+        object_bytes=sum(sizes.values()),
         disk_bytes=disk,
         ratio=_ratio(disk, raw),
     )
+
+
+def _first(doc: dict[str, Any], seen: set[str], sizes: dict[str, int]) -> int | None:
+    """Bytes on disk of the objects of record ``doc`` that no earlier one named (adding
+    them to ``seen``); ``None`` for a record that names chunks, not objects (DCP)."""
+    objects = doc.get("objects")
+    if doc.get("kind") is not None or not isinstance(objects, dict):
+        return None
+    new = {d for d in objects.values() if isinstance(d, str)} - seen
+    seen |= new
+    return sum(sizes.get(d, 0) for d in new)

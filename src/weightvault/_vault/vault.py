@@ -32,8 +32,10 @@ from .._file.sharing import Source
 from .._file.writer import check_names
 from .._tools.convert import rewrite
 from .adapters import Adapter, adapter_for
+from .background import Compactor
 from .checkpoint import VaultCheckpoint, open_record
 from .codec import DEFAULT, codec_named
+from .compact import CompactReport, compact
 from .dcp_record import DcpCheckpoint
 from .delta import DELTA_CHAIN, Storage
 from .gc import break_gc_lock, collect
@@ -58,6 +60,8 @@ __all__ = ["GC_PACE", "Vault", "VaultLike", "as_vault"]
 GC_PACE = 0.1
 #: A gc this quick (seconds) is never put off by ``pace``.
 _QUICK_GC = 1.0
+#: When a vault compacts what its saves wrote (see ``Vault(compaction=...)``).
+COMPACTIONS = ("background", "after-save", None)
 
 
 class Vault:
@@ -72,14 +76,18 @@ class Vault:
         root: A local folder or an fsspec URL such as ``s3://bucket/run1``.
         create: Make the vault now if there is none yet, instead of at the first save.
         gc_wait: How long a save waits for a running gc before giving up, in seconds.
-        compression: How new objects are compressed (``"blosc2"``: byte planes, then
-            zstd), or ``None`` to write raw bytes. Either way every object is named by the
-            blake3 of its raw bytes, and vaults of any mix of them load.
-        delta_chain: A changed tensor is stored as the difference to its previous value when
-            that is smaller, in chains at most ``delta_chain`` deep, so a load reads at most
-            ``delta_chain + 1`` objects per tensor. A full chain restarts once from the
-            full object it ends at, then in full: a full object at least every
-            ``2 * delta_chain + 1`` saves. 0 turns deltas off.
+        compression: How the compactor compresses objects (``"blosc2"``: byte planes,
+            then zstd), or ``None`` to keep raw bytes (and not compact). Either way every
+            object is named by the blake3 of its raw bytes, and vaults of any mix load.
+        delta_chain: The compactor stores an older checkpoint's changed tensor as the
+            difference to its value in the next checkpoint when that is smaller, with
+            at most ``delta_chain`` deltas behind one full object: the newest checkpoint
+            reads one object per tensor, any other at most ``delta_chain + 1``. 0
+            turns deltas off.
+        compaction: When the compactor runs: ``"background"`` (a thread of this
+            process, after each save, yielding to saves and loads), ``"after-save"``
+            (inside each save, before it returns), or ``None`` (only on :meth:`compact`
+            and :meth:`gc`). A save itself always writes raw bytes and commits.
         training_state_last: Keep optimizer, scheduler and RNG state only in the newest
             ``N`` checkpoints: each save drops it from older ones, whose weights stay
             loadable (see :meth:`retain`), and runs :meth:`gc` to free what it held.
@@ -89,7 +97,8 @@ class Vault:
     Raises:
         FormatError: ``root`` holds something that is not a vault (a file, or another
             ``vault.json``).
-        ValueError: ``compression`` names no codec, or a count is negative.
+        ValueError: ``compression`` or ``compaction`` names no option, or a count is
+            negative.
 
     Example:
         >>> vault = Vault("runs/finetune")
@@ -109,6 +118,7 @@ class Vault:
         compression: str | None = DEFAULT,
         delta_chain: int = DELTA_CHAIN,
         training_state_last: int | None = None,
+        compaction: str | None = "background",
         **storage_options: Any,
     ) -> None:
         self.store = open_store(root, **storage_options)
@@ -116,12 +126,14 @@ class Vault:
         self._options = dict(storage_options)
         if delta_chain < 0 or (training_state_last is not None and training_state_last < 0):
             raise ValueError(f"{self.store.url}: delta_chain and training_state_last must be >= 0")
+        if compaction not in COMPACTIONS:
+            raise ValueError(
+                f"{self.store.url}: compaction={compaction!r}; use one of {list(COMPACTIONS)}"
+            )
         self.training_state_last = training_state_last
-        self.storage = Storage(
-            codec_named(compression, self.store.url),
-            max_chain=delta_chain,
-            training_deltas=training_state_last is None,
-        )
+        self.compaction = compaction
+        self.storage = Storage(codec_named(compression, self.store.url), max_chain=delta_chain)
+        self._compactor = Compactor(self._compact_pass)
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
@@ -201,14 +213,20 @@ class Vault:
 
         def work() -> CheckpointRecord:
             try:
-                return self._trimmed(save_sources(
-                    self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
-                    metadata=metadata, progress=bar, sums=self._sums, gc_wait=self.gc_wait,
-                    storage=self.storage,
-                ))  # fmt: skip
+                with self._compactor.busy():
+                    record = self._trimmed(save_sources(
+                        self.store, sources, training, name=name, framework=adapter.FRAMEWORK,
+                        metadata=metadata, progress=bar, sums=self._sums, gc_wait=self.gc_wait,
+                        to_compact=self.storage.codec is not None,
+                    ))  # fmt: skip
             finally:
                 if progress is True and isinstance(bar, Bar):  # ours, not the caller's
                     bar.close()
+            if self.compaction == "background":
+                self._compactor.kick()
+            elif self.compaction == "after-save":
+                self.compact()
+            return record
 
         return self._in_background(work, name) if background else work()
 
@@ -222,7 +240,7 @@ class Vault:
             # optimizer state, as a Trainer's save_total_limit does, not to grow until
             # someone thinks of gc: a gc here frees what the dropped state alone held,
             # paced so that it never takes more than a tenth of the run's time.
-            self.gc(pace=GC_PACE)
+            self._collect(GC_PACE)
         return record
 
     def _in_background(
@@ -241,6 +259,60 @@ class Vault:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.settle()
+
+    # -- compaction --------------------------------------------------------------------
+
+    def _compact_pass(self, pause: Callable[[], None], stop: Any) -> CompactReport:
+        return compact(self.store, self.storage, pause=pause, stop=stop)
+
+    def compact(self) -> CompactReport:
+        """Compact now, in this thread, what saves left raw; return what was done.
+
+        Waits for this ``Vault``'s background compactor first. Each checkpoint's objects
+        become full compressed objects, and the previous checkpoint's turn into deltas
+        on them where that is smaller (see docs/vault.md). Safe at any moment: a SIGKILL
+        leaves every object in its old encoding or its new one, and another process
+        compacting the same vault meanwhile makes this one return ``busy``.
+
+        Example:
+            >>> vault.save(model)
+            >>> vault.compact().checkpoints
+            ['000001']
+        """
+        self._require()
+        self._settle()
+        self._compactor.wait(errors=False)  # logged; this pass runs what failed again
+        return compact(self.store, self.storage)
+
+    def wait(self, *, raise_errors: bool = True) -> builtins.list[CompactReport]:
+        """Wait for a background save and for the background compactor to finish.
+
+        Args:
+            raise_errors: Raise what a compaction raised (it was logged as a warning when
+                it happened, and what it left is done later); ``False`` only waits.
+
+        Returns:
+            The background compactor's reports since the last ``wait``.
+
+        Raises:
+            Exception: What the background save raised, or with ``raise_errors`` what a
+                compaction raised.
+
+        Example:
+            >>> with Vault("runs/ft") as vault:   # the block's end waits the same way
+            ...     vault.save(model)
+        """
+        self._settle()
+        return self._compactor.wait(errors=raise_errors)
+
+    def __enter__(self) -> Vault:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # With an error on its way out, nothing waits: the compactor goes on meanwhile,
+        # and what it has not done at exit is done by a later compaction.
+        if exc[0] is None:
+            self.wait()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -286,7 +358,7 @@ class Vault:
         """
         adapter = adapter_for(model)
         self._settle()  # "latest" includes a background save still being written
-        with self.open(name) as ckpt:
+        with self._compactor.busy(), self.open(name) as ckpt:
             return adapter.load(model, ckpt, verify=verify, **options)
 
     def verify(self, *, progress: Progress | None = None) -> VaultVerifyReport:
@@ -371,8 +443,11 @@ class Vault:
         return deleted
 
     def gc(self, *, pace: float | None = None) -> int:
-        """Delete objects no checkpoint or in-flight save references; return the object
-        bytes freed (stale bookkeeping files are removed too, uncounted).
+        """Compact what is left to compact (:meth:`compact`), then delete objects no
+        checkpoint or in-flight save references; return the object bytes freed (stale
+        bookkeeping files are removed too, uncounted). A paced gc (what training loops
+        call after each save) does not compact: that stays with the background compactor,
+        off the loop's time.
 
         With ``pace`` (a fraction such as 0.1), a gc whose previous run in this ``Vault``
         took over a second runs only if that was at most ``pace`` of the time since it
@@ -392,6 +467,12 @@ class Vault:
                 record first.
         """
         self._require()
+        if pace is None:
+            self.compact()
+        return self._collect(pace)
+
+    def _collect(self, pace: float | None) -> int:
+        """The gc half of :meth:`gc`: free what nothing names (paced as it says)."""
         now = time.monotonic()
         if pace is not None and self._last_gc is not None:
             took, ended = self._last_gc
@@ -426,6 +507,7 @@ class Vault:
             "compression": self.storage.codec.name if self.storage.codec else None,
             "delta_chain": self.storage.max_chain,
             "training_state_last": self.training_state_last,
+            "compaction": self.compaction,
         }
         return (_reopen, (self.url, self.gc_wait, {**settings, **self._options}))
 

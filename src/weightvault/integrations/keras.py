@@ -106,10 +106,6 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self.rng = rng
         self.keep = keep
         self.training_state_last = training_state_last
-        if training_state_last is not None:
-            # As Vault(root, training_state_last=N) does: state stored as a delta on the
-            # previous checkpoint's would keep that dropped state alive as its base.
-            self.vault.storage.training_deltas = False
         self._epoch = 0
         self._step = 0
 
@@ -127,6 +123,13 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if self.save_freq == "epoch":
             self._save(f"epoch-{epoch + 1:04d}", epoch + 1)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        # The run's disk ends compact and trimmed: the compactor's work on this run's
+        # saves done (a failure there was logged; it is done later), then what it held
+        # while the last retention ran is freed.
+        self.vault.wait(raise_errors=False)
+        trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
 
     def _save(self, name: str, epoch: int) -> None:
         optimizer = self.model.optimizer if self.save_optimizer else None

@@ -29,7 +29,6 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise not_installed("lightning", "Lightning and PyTorch") from e
 
 from .._base.errors import DistributedCheckpointError, TrainingStateError
-from .._file.layout import is_training
 from .._training import codec as _codec
 from .._vault.checkpoint import VaultCheckpoint
 from .._vault.retain import drop_training_except_last
@@ -105,11 +104,6 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if training_state_last is None:
             training_state_last = self.vault.training_state_last
         self.training_state_last = training_state_last
-        if training_state_last is not None:
-            # Optimizer state stored as a delta on the previous checkpoint's would keep
-            # that dropped state alive as its base: these names are stored in full.
-            self.vault.storage.training_deltas = False
-            self.vault.storage.training = is_lightning_training
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -191,6 +185,10 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         error = announced(sys.exc_info()[1])  # Lightning calls this inside its `except`
         if error is not None:
             raise error from sys.exc_info()[1]
+        if sys.exc_info()[1] is None:
+            # A run that ends well ends compact: the compactor's work on this process's
+            # saves is done first (a failure there was logged; it is done later).
+            self.vault.wait(raise_errors=False)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""
@@ -224,12 +222,6 @@ class _WeightsOnly(dict):  # type: ignore[type-arg]
     def __getitem__(self, key: Any) -> Any:
         self._refuse(key)
         return super().__getitem__(key)
-
-
-def is_lightning_training(name: str) -> bool:
-    """Whether a stored tensor of a VaultCheckpointIO checkpoint is training state (the
-    optimizer's or scheduler's, under :data:`TRAINING_KEYS`), or the vault's own."""
-    return name.split("/", 1)[0] in TRAINING_KEYS or is_training(name)
 
 
 def _training(ckpt: VaultCheckpoint) -> tuple[set[str], dict[str, str]] | None:

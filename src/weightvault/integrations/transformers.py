@@ -108,10 +108,6 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         self.vault = as_vault(vault)
         self.background = background
         self.training_state_last = training_state_last
-        if training_state_last is not None:
-            # As Vault(root, training_state_last=N) does: state stored as a delta on the
-            # previous checkpoint's would keep that dropped state alive as its base.
-            self.vault.storage.training_deltas = False
         self._pending: Any = None
         self._inflight: str | None = None  # a background save's name, on every rank
         self._sharded = False  # the model is DTensors: every rank saves its shards
@@ -184,6 +180,17 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         self._settle(args)
+        # The run's disk ends compact and trimmed: the compactor's work on this process's
+        # saves done before the Trainer returns (a failure there was logged; it is done
+        # later), then what it held while the last retention ran is freed.
+        self.vault.wait(raise_errors=False)
+        error = None
+        if rank() == 0:
+            try:
+                self._retain(args)
+            except Exception as e:
+                error = e
+        agree(error, f"the retention at the end of training in {self.vault.url}", _FIX)
 
     def _write(
         self,

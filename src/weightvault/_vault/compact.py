@@ -1,0 +1,588 @@
+"""The compactor: compression and backward deltas, after a save has committed.
+
+A save writes raw objects and leaves a to-do marker, ``compact/<name>.todo``, beside its
+record (:func:`mark`). Compacting checkpoint N then does two things:
+
+1. **The newest loads whole.** Each object of N becomes a full compressed object (a
+   frame, when that saves at least 5%), or stays raw.
+2. **Deltas point back.** Each object X of the checkpoint before N (P) whose tensor (same
+   name, dtype and shape) has another object Y in N becomes a delta on Y, when that is
+   smaller than X in full. So a resume reads one object per tensor, and older
+   checkpoints read a chain that ends at a newer full object. At most ``max_chain``
+   deltas ever hang behind one full object: an X with that many behind it stays full
+   (a *key object*), so any checkpoint reads at most ``max_chain + 1`` objects per
+   tensor. Training state dropped from old checkpoints is never the base of a kept one.
+
+An object is named by the blake3 of its raw bytes, so a new encoding replaces the old
+one atomically (a rename over it) and every reader, before or after, gets the same raw
+bytes. Safety, point by point:
+
+- **Never from damaged bytes.** Every object is decoded and its blake3 checked against
+  its name before anything is encoded from it. A damaged object is reported and left as
+  it is; nothing is built on it.
+- **No cycle.** A delta's base is always a full (or raw) object when the delta is
+  written: Y is made full and published before X is encoded against it. Only one
+  compactor runs per vault at a time (:class:`CompactLock`: an ``flock`` on a local disk,
+  which the kernel releases when a process dies; an exclusive marker with a heartbeat on
+  object stores), so nothing turns Y into a delta meanwhile.
+- **gc.** The compactor registers an intent naming every object it touches (:mod:`.commit`)
+  and checks them in ``objects/`` after that, as a save does; gc keeps every base a live
+  object's frame names, read afresh each time (:mod:`.gc`).
+- **Crashes.** Each replacement is written to a temporary file, made durable, then
+  renamed into place; a SIGKILL leaves the old encoding or the new, and at most a
+  temporary file gc removes. The marker goes only once its checkpoint is done, so work
+  left when a process exits is picked up by the next compaction.
+
+Example:
+    >>> report = compact(vault.store, vault.storage)
+    >>> report.checkpoints
+    ['000001', '000002']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._base.dtypes import ITEMSIZE
+from .._base.errors import CheckpointNotFoundError, FormatError
+from .commit import begin, release
+from .delta import Parts, Storage, delta_wins, encode_delta, encode_full, size_of
+from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
+from .objects import checksum, content_hash, object_key, read_object
+from .records import check_name, parse_record, read_doc, record_key, record_names
+from .store import Store
+
+__all__ = [
+    "LOCK",
+    "TODO",
+    "CompactLock",
+    "CompactReport",
+    "compact",
+    "mark",
+    "pending",
+]
+
+#: Where the to-do markers and the lock live.
+TODO = "compact"
+LOCK = f"{TODO}/lock"
+#: A lock marker on an object store not rewritten for this long belongs to a dead
+#: compactor (its heartbeat is rewritten every tenth of it).
+LOCK_STALE_SECONDS = 60.0
+
+
+def _todo_key(name: str) -> str:
+    return f"{TODO}/{name}.todo"
+
+
+def mark(store: Store, name: str) -> None:
+    """Leave checkpoint ``name`` to the compactor (called once its record is committed)."""
+    store.put(_todo_key(name), b"{}")
+
+
+def pending(store: Store) -> list[str]:
+    """The checkpoints whose compaction has not finished, in no particular order."""
+    out = []
+    for blob in store.list(TODO):
+        leaf = blob.key.rsplit("/", 1)[-1]
+        if not leaf.endswith(".todo") or leaf.startswith("."):
+            continue
+        with contextlib.suppress(ValueError):
+            out.append(check_name(leaf.removesuffix(".todo"), store.url))
+    return out
+
+
+@dataclass
+class CompactReport:
+    """What one compaction did.
+
+    Attributes:
+        checkpoints: The checkpoints compacted, oldest first.
+        full: Objects rewritten as full compressed objects.
+        deltas: Objects rewritten as deltas on the next checkpoint's.
+        bytes_before: Their files' bytes before.
+        bytes_after: Their files' bytes after.
+        damaged: One line per damaged object found (left as it is).
+        busy: Another process held the vault's compaction lock; nothing was done.
+        seconds: Wall time.
+    """
+
+    checkpoints: list[str] = field(default_factory=list)
+    full: int = 0
+    deltas: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    damaged: list[str] = field(default_factory=list)
+    busy: bool = False
+    seconds: float = 0.0
+
+
+class CompactLock:
+    """One compactor per vault at a time.
+
+    On a local disk, ``flock`` on ``compact/lock``: the kernel drops it when the holder's
+    process dies, SIGKILL included, so no stale lock is ever left. On object stores, an
+    exclusive ``compact/lock`` marker holding the owner and rewritten as a heartbeat; one
+    older than :data:`LOCK_STALE_SECONDS`, or written on this host by a process that
+    has exited, is taken over.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._fd = -1
+        self._beat = 0.0
+
+    def acquire(self) -> bool:
+        """Take the lock if it is free; whether it was taken."""
+        path = self.store.local_path(LOCK)
+        if path is not None:
+            import fcntl
+
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            self._fd = fd
+            return True
+        if self.store.put(LOCK, self._owner(), exclusive=True):
+            self._beat = time.monotonic()
+            return True
+        if self._stale():
+            self.store.delete(LOCK)
+            return self.acquire_once()
+        return False
+
+    def acquire_once(self) -> bool:
+        taken = self.store.put(LOCK, self._owner(), exclusive=True)
+        if taken:
+            self._beat = time.monotonic()
+        return taken
+
+    def beat(self) -> None:
+        """Refresh an object store's marker (a no-op for ``flock``)."""
+        if self._fd < 0 and time.monotonic() - self._beat > LOCK_STALE_SECONDS / 10:
+            self.store.put(LOCK, self._owner())
+            self._beat = time.monotonic()
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the flock; the file stays for the next holder
+            self._fd = -1
+        else:
+            self.store.delete(LOCK)
+
+    def _owner(self) -> bytes:
+        from .gc import process_start
+
+        pid = os.getpid()
+        doc = {"pid": pid, "host": socket.gethostname(), "started": process_start(pid)}
+        return json.dumps({"created": time.time(), **doc}).encode()
+
+    def _stale(self) -> bool:
+        from .gc import _owner_gone
+
+        blobs = [b for b in self.store.list(TODO) if b.key == LOCK]
+        if not blobs:
+            return True
+        if time.time() - blobs[0].mtime > LOCK_STALE_SECONDS:
+            return True
+        try:
+            return _owner_gone(json.loads(self.store.get(LOCK)))
+        except (FileNotFoundError, ValueError, RecursionError):
+            return False
+
+
+#: ``{stored name: (digest, dtype, shape, nbytes)}`` of one checkpoint.
+Tensors = dict[str, tuple[str, str, tuple[int, ...], int]]
+
+
+class _Records:
+    """The checkpoints, oldest first, and their tensors, read once per compaction."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        found = []
+        for name in record_names(store):
+            # A damaged record is left out: its objects stay as they are, and the
+            # checkpoints on either side of it are not paired (verify reports it).
+            with contextlib.suppress(FormatError, CheckpointNotFoundError):
+                doc = read_doc(store, name)
+                found.append(parse_record(name, doc, f"{store.url}/{record_key(name)}"))
+        self.names = [r.name for r in sorted(found, key=lambda r: (r.created, r.name))]
+        self._tensors: dict[str, Tensors | None] = {}
+        self._sizes: dict[str, int | None] = {n: store.size(record_key(n)) for n in self.names}
+
+    def still_named(self, name: str, tensor: str, digest: str) -> bool:
+        """Whether checkpoint ``name``'s record still names ``digest`` for ``tensor``.
+
+        A retain may drop a checkpoint's training state while it is being compacted
+        (a loop's ``training_state_last`` does so right after each save): its objects are
+        then about to be freed, and rewriting them would only leave garbage. The record is
+        read again only when its file's size changed (one ``stat``).
+        """
+        size = self.store.size(record_key(name))
+        if size is None:
+            return False
+        if size != self._sizes.get(name):
+            self._tensors.pop(name, None)
+            self._sizes[name] = size
+        tensors = self.tensors(name)
+        entry = tensors.get(tensor) if tensors else None
+        return entry is not None and entry[0] == digest
+
+    def tensors(self, name: str) -> Tensors | None:
+        """The tensors of ``name``; ``None`` for a DCP record or one that is unreadable
+        or gone (its objects are then left as they are)."""
+        if name not in self._tensors:
+            self._tensors[name] = self._read(name)
+        return self._tensors[name]
+
+    def _read(self, name: str) -> Tensors | None:
+        from .checkpoint import VaultCheckpoint
+
+        try:
+            doc = read_doc(self.store, name)
+            if doc.get("kind") is not None:
+                return None  # weightvault.dcp's chunks: stored as written
+            ckpt = VaultCheckpoint(self.store, name, doc)
+        except (FormatError, CheckpointNotFoundError):
+            return None
+        return {n: (ckpt.objects[n], i.dtype, i.shape, i.nbytes) for n, i in ckpt.stored.items()}
+
+
+class _Damaged(Exception):
+    """An object whose bytes do not match its name (or cannot be read)."""
+
+
+def _head(store: Store, digest: str) -> tuple[int, Any] | None:
+    """``(file size, frame header or None for raw bytes)`` of ``digest`` in ``objects/``,
+    or ``None`` when it is not there (a gc holds it, or it is gone)."""
+    key = object_key(digest)
+    size = store.size(key)
+    if size is None:
+        return None
+    try:
+        head = store.get_range(key, 0, HEADER_SIZE)
+    except FileNotFoundError:
+        return None
+    if not is_frame(head):
+        return size, None
+    try:
+        return size, parse_frame_header(memoryview(head))
+    except FormatError:
+        return size, None  # decoding it below says what is wrong
+
+
+#: Verified raw objects a compaction keeps at hand (a tensor's new and old values).
+_RECENT = 3
+
+
+class _Work:
+    """One compaction's state: what it read, what it wrote, what it found damaged."""
+
+    def __init__(self, store: Store, storage: Storage, report: CompactReport) -> None:
+        self.store, self.storage, self.report = store, storage, report
+        self.bad: set[str] = set()
+        self._recent: dict[str, memoryview] = {}  # the last few verified raw bytes
+
+    def raw(self, digest: str, nbytes: int, where: str) -> memoryview:
+        """The verified raw bytes of ``digest`` (the last few are kept: an object made
+        full is the base of the next delta, which then needs no second decode or hash).
+
+        Raises:
+            _Damaged: They do not decode, or their blake3 is not the name; reported.
+        """
+        if digest in self.bad:
+            raise _Damaged(digest)
+        if digest in self._recent:
+            return self._recent[digest]
+        try:
+            data = read_object(self.store, digest, nbytes)
+            if data.nbytes == nbytes and content_hash(data) == digest:
+                self._recent[digest] = data
+                while len(self._recent) > _RECENT:
+                    del self._recent[next(iter(self._recent))]
+                return data
+            why = "its bytes do not match its name (blake3)"
+        except (FileNotFoundError, FormatError) as e:
+            why = str(e)
+        self.bad.add(digest)
+        self.report.damaged.append(f"{self.store.url}/{object_key(digest)} ({where}): {why}")
+        raise _Damaged(digest)
+
+    def publish(self, staged: dict[str, tuple[str, int, int]]) -> None:
+        """Put the staged ``{digest: (token, old size, new size)}`` files in place."""
+        if not staged:
+            return
+        tokens = {object_key(d): t for d, (t, _, _) in staged.items()}
+        self.store.publish(tokens, sum(n for _, _, n in staged.values()))
+        for _, old, new in staged.values():
+            self.report.bytes_before += old
+            self.report.bytes_after += new
+        staged.clear()
+
+    def stage(
+        self,
+        digest: str,
+        parts: Parts,
+        old: int,
+        staged: dict[str, Any],
+        raw: memoryview,
+        base: memoryview | None = None,
+    ) -> None:
+        """Stage ``parts`` as ``digest``'s new file, once they decode back to ``raw``
+        (on ``base``, for a delta): a load then trusts a frame's block sums alone.
+
+        Raises:
+            FormatError: They do not (a codec fault): nothing is staged.
+        """
+        _round_trip(parts, raw, base)
+        staged[digest] = (self.store.stage(object_key(digest), parts), old, size_of(parts))
+
+
+def _round_trip(parts: Parts, raw: memoryview, base: memoryview | None) -> None:
+    """Check that the file ``parts`` decodes to ``raw`` (applied on ``base`` for a delta)."""
+    data = memoryview(parts[0] if len(parts) == 1 else b"".join(parts)).cast("B")
+    if not is_frame(data) or data.nbytes == raw.nbytes:
+        if bytes(data) != bytes(raw):
+            raise FormatError("an encoded object does not hold its raw bytes")
+        return
+    frame = parse_frame(data, raw.nbytes)
+    out = memoryview(bytearray(base if frame.base is not None and base is not None else raw.nbytes))
+    decode_into(data, frame, out, 0)
+    if checksum(out) != checksum(raw):
+        raise FormatError("an encoded object does not decode to its raw bytes (codec fault)")
+
+
+def _run_behind(
+    records: _Records, index: int, name: str, digest: str, dtype: str, shape: Any, limit: int
+) -> int:
+    """How many deltas already hang behind object ``digest`` of tensor ``name``, counted
+    back from checkpoint ``index`` (each older object whose frame names the next), up to
+    ``limit``."""
+    run, newer = 0, digest
+    for older in reversed(records.names[:index]):
+        tensors = records.tensors(older)
+        entry = tensors.get(name) if tensors else None
+        if entry is None or (entry[1], entry[2]) != (dtype, shape):
+            return run
+        if entry[0] == newer:
+            continue
+        found = _head(records.store, entry[0])
+        if found is None or found[1] is None or found[1].base != newer:
+            return run
+        run += 1
+        if run >= limit:
+            return run
+        newer = entry[0]
+    return run
+
+
+def _compact_one(
+    work: _Work, records: _Records, index: int, make_full: bool, pause: Callable[[], None]
+) -> None:
+    """Compact checkpoint ``records.names[index]`` (see the module docstring), tensor by
+    tensor: its object made full, then the previous checkpoint's turned into a delta on
+    it while its verified raw bytes are still at hand."""
+    store = work.store
+    name = records.names[index]
+    new = records.tensors(name)
+    if new is None:
+        return
+    prev = records.names[index - 1] if index > 0 else None
+    old = (records.tensors(prev) if prev else None) or {}
+    # The intent names the new checkpoint's objects, the bases of every delta written
+    # here: a gc keeps them even if that checkpoint is deleted meanwhile. The older
+    # objects are named by their own record, or were dropped (training state a retain
+    # took away): a gc may free those, and they are left alone (see _still_named).
+    intent = begin(store, {d for d, *_ in new.values()}, gc_wait=3600.0)
+    staged: dict[str, tuple[str, int, int]] = {}
+    keep_whole = {d for d, *_ in new.values()}  # what the newer checkpoint reads stays whole
+    done: set[str] = set()
+    limit = work.storage.max_chain
+    try:
+        for tensor, (digest, dtype, shape, nbytes) in new.items():
+            itemsize = ITEMSIZE.get(dtype, 4)
+            if make_full and digest not in done:
+                done.add(digest)
+                pause()
+                if _full(work, digest, nbytes, itemsize, f"{name}: {tensor}", staged):
+                    work.publish(staged)  # it was a delta: full on disk before a delta names it
+            old_entry = old.get(tensor)
+            if old_entry is None or old_entry[0] in keep_whole or old_entry[0] in done:
+                continue
+            done.add(old_entry[0])
+            pause()
+            if prev is None or not records.still_named(prev, tensor, old_entry[0]):
+                continue
+            where = f"{prev}: {tensor}"
+            if (
+                limit > 0
+                and (old_entry[1], old_entry[2]) == (dtype, shape)
+                and _run_behind(records, index - 1, tensor, old_entry[0], dtype, shape, limit)
+                < limit
+                and _delta(
+                    work, old_entry[0], digest, nbytes, itemsize, where, f"{name}: {tensor}", staged
+                )
+            ):
+                continue
+            _full(work, old_entry[0], old_entry[3], ITEMSIZE.get(old_entry[1], 4), where, staged)
+        for tensor, (digest, dtype, _, nbytes) in old.items():  # tensors the new one lacks
+            if digest not in keep_whole and digest not in done:
+                done.add(digest)
+                pause()
+                if prev is not None and records.still_named(prev, tensor, digest):
+                    where = f"{prev}: {tensor}"
+                    _full(work, digest, nbytes, ITEMSIZE.get(dtype, 4), where, staged)
+        work.publish(staged)
+    except BaseException:
+        store.discard({object_key(d): t for d, (t, _, _) in staged.items()})
+        raise
+    finally:
+        release(store, [intent])
+
+
+def _full(
+    work: _Work, digest: str, nbytes: int, itemsize: int, where: str, staged: dict[str, Any]
+) -> bool:
+    """Make ``digest`` a full object (compressed from raw bytes or a delta) if it is not;
+    whether it was a delta (then publish before anything names it as a base)."""
+    found = _head(work.store, digest)
+    if found is None:
+        return False  # a gc holds it, or it is gone: nothing to rewrite
+    size, frame = found
+    if frame is not None and frame.base is None:
+        return False  # a full frame already
+    if frame is None and size != nbytes:
+        return False  # not an object of this size: the load reports it
+    try:
+        raw = work.raw(digest, nbytes, where)
+    except _Damaged:
+        return False
+    parts = encode_full(raw, itemsize, work.storage.codec)
+    if frame is None and size_of(parts) >= size:
+        return False  # raw, and compression does not pay
+    work.stage(digest, parts, size, staged, raw)
+    work.report.full += 1
+    return frame is not None
+
+
+def _delta(
+    work: _Work,
+    digest: str,
+    base: str,
+    nbytes: int,
+    itemsize: int,
+    where: str,
+    base_where: str,
+    staged: dict[str, Any],
+) -> bool:
+    """Make ``digest`` a delta on ``base`` if that is smaller; whether it was handled.
+    ``where`` and ``base_where`` name the checkpoint and tensor of each, for reports."""
+    found, found_base = _head(work.store, digest), _head(work.store, base)
+    if found is None or found_base is None:
+        return False
+    size, frame = found
+    if frame is not None and frame.base == base:
+        return True  # done by an earlier compaction
+    if found_base[1] is not None and found_base[1].base is not None:
+        return False  # the base is itself a delta: a chain through it could cycle
+    codec = work.storage.codec
+    assert codec is not None
+    try:
+        raw = work.raw(digest, nbytes, where)
+        base_raw = work.raw(base, nbytes, base_where)
+    except _Damaged:
+        return digest in work.bad  # damaged: left as it is
+    if not delta_wins(codec, raw, base_raw, itemsize):
+        return False
+    parts = encode_delta(raw, base_raw, base, itemsize, codec)
+    full_size = size if frame is not None and frame.base is None else None
+    if size_of(parts) > 0.95 * nbytes or (full_size is not None and size_of(parts) >= full_size):
+        return False
+    work.stage(digest, parts, size, staged, raw, base_raw)
+    work.report.deltas += 1
+    return True
+
+
+def compact(
+    store: Store,
+    storage: Storage,
+    *,
+    pause: Callable[[], None] = lambda: None,
+    stop: threading.Event | None = None,
+) -> CompactReport:
+    """Compact every checkpoint left to the compactor, oldest first.
+
+    Args:
+        store: The vault's store.
+        storage: Its codec and chain length (no codec: the to-do markers are dropped).
+        pause: Called before each object; blocks while a save or load of this process
+            runs, so compaction yields to them.
+        stop: Set to stop after the current object (the rest stays to do).
+
+    Returns:
+        What was done; ``busy`` if another compactor holds the vault.
+    """
+    start = time.monotonic()
+    report = CompactReport()
+    lock = CompactLock(store)
+    if not lock.acquire():
+        report.busy = True
+        return report
+    try:
+        todo = set(pending(store))
+        if not todo:
+            return report
+        records = _Records(store)
+        work = _Work(store, storage, report)
+        order = [n for n in records.names if n in todo]
+        for name in order:
+            if stop is not None and stop.is_set():
+                break
+            if storage.codec is not None:
+                index = records.names.index(name)
+                # The next checkpoint's compaction turns these objects into deltas on its
+                # own anyway, if it is still to do and an ordinary one: no full pass first.
+                after = records.names[index + 1 : index + 2]
+                make_full = not (
+                    after and after[0] in todo and records.tensors(after[0]) is not None
+                )
+                _compact_one(work, records, index, make_full, _stopping(pause, stop, lock.beat))
+            store.delete(_todo_key(name))
+            report.checkpoints.append(name)
+        # Markers of checkpoints deleted meanwhile.
+        for name in todo - set(records.names):
+            store.delete(_todo_key(name))
+    except _Stopped:
+        pass
+    finally:
+        lock.release()
+        report.seconds = time.monotonic() - start
+    return report
+
+
+class _Stopped(Exception):
+    """Raised from ``pause`` once ``stop`` is set: leave the rest for later."""
+
+
+def _stopping(
+    pause: Callable[[], None], stop: threading.Event | None, beat: Callable[[], None]
+) -> Callable[[], None]:
+    def check() -> None:
+        pause()
+        beat()
+        if stop is not None and stop.is_set():
+            raise _Stopped
+
+    return check
