@@ -48,6 +48,18 @@ def fsync_path(path: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def save_plain_files(folder: Any, model: torch.nn.Module, opt: Any) -> None:
+    """What a user saves without weightvault: ``save_model`` + ``torch.save`` of the
+    optimizer's state, into the new folder ``folder``, both files fsynced with it."""
+    from safetensors.torch import save_model
+
+    os.mkdir(folder)
+    save_model(model, os.path.join(folder, "model.safetensors"))
+    torch.save(opt.state_dict(), os.path.join(folder, "optimizer.pt"))
+    for name in ("model.safetensors", "optimizer.pt"):
+        fsync_path(os.path.join(folder, name))
+
+
 def fsync_dir(folder: str) -> None:
     fsync_file(folder)  # a folder's fsync makes the renames in it durable
 

@@ -13,6 +13,7 @@ optimizer's, the scheduler's and the RNG's state, each file fsynced.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sys
 import time
@@ -26,6 +27,8 @@ import torch
 from _common import fsync_path
 
 SEQ = 128
+#: The learning rates of the two phases.
+LR_A, LR_B = 1e-3, 3e-5
 BATCH = 8
 TEXT_BYTES = 4 << 20
 
@@ -72,21 +75,28 @@ def save_trainer_style(folder: Path, model: torch.nn.Module, opt: Any, sched: An
 
 
 def train(out: Path, steps_a: int, every_a: int, steps_b: int, every_b: int) -> list[Path]:
-    """Train, writing a Trainer-style checkpoint folder at each checkpoint; return them."""
+    """Train, writing a Trainer-style checkpoint folder at each checkpoint; return them.
+
+    The learning rate comes from the scheduler alone: ``LambdaLR`` sets every group's lr
+    from its base lr at each ``sched.step()``, so a ``g["lr"] = x`` set by hand lasts one
+    step (issue 27 found the lr 3e-5 phase of an earlier version training at 1e-3). The
+    lr of every optimizer step is recorded from the optimizer itself and printed with
+    each checkpoint.
+    """
     torch.set_num_threads(os.cpu_count() or 1)
     model, ids = build(), text()
-    opt = optimizer(model, 1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    opt = optimizer(model, LR_A)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < steps_a else LR_B / LR_A)
     data = batches(ids, 0)
     folders: list[Path] = []
+    used: list[float] = []
     step = 0
-    for lr, steps, every, phase in ((1e-3, steps_a, every_a, "a"), (3e-5, steps_b, every_b, "b")):
-        for g in opt.param_groups:
-            g["lr"] = lr
+    for steps, every, phase in ((steps_a, every_a, "a"), (steps_b, every_b, "b")):
         for _ in range(steps):
             batch = next(data)
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
+            used.append(opt.param_groups[0]["lr"])  # what this step really uses
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -95,7 +105,13 @@ def train(out: Path, steps_a: int, every_a: int, steps_b: int, every_b: int) -> 
                 folder = out / f"{phase}-checkpoint-{step}"
                 save_trainer_style(folder, model, opt, sched)
                 folders.append(folder)
-                print(f"step {step} lr {lr:g} loss {loss.item():.3f} -> {folder.name}", flush=True)
+                lrs = sorted({f"{lr:g}" for lr in used[-every:]})
+                print(
+                    f"step {step} lr of steps {step - every + 1}-{step}: {', '.join(lrs)} "
+                    f"loss {loss.item():.3f} -> {folder.name}",
+                    flush=True,
+                )
+    (out / "lr.json").write_text(json.dumps(used))
     return folders
 
 

@@ -43,7 +43,7 @@ import _delta_bound as bound
 import _train_lm as T
 import numpy as np
 import torch
-from _common import fsync_path, machine, table
+from _common import machine, save_plain_files, table
 
 from weightvault import Vault
 from weightvault._vault.delta import DELTA_CHAIN
@@ -101,15 +101,21 @@ def trainer_bytes(folders: list[Path], bf16: bool, scratch: Path) -> int:
     return total
 
 
-def vault_run(folders: list[Path], root: Path, bf16: bool, **options: Any) -> dict[str, Any]:
-    """Save every checkpoint into a new vault; return its size and the newest load time."""
-    vault = Vault(root, training_state_last=1, **options)
+def vault_run(
+    folders: list[Path], root: Path, bf16: bool, retain: bool = False, **options: Any
+) -> dict[str, Any]:
+    """Save every checkpoint into a new vault, with ``training_state_last=1`` (or, with
+    ``retain``, a default vault and ``retain(training_state_last=1)`` after the saves);
+    return its size once compaction settled, and the newest load time."""
+    vault = Vault(root, training_state_last=None if retain else 1, **options)
     for f in folders:
         model, opt, sched = T.restore(f)
         if bf16:
             model, opt = T.as_bf16(model, opt)
         vault.save(model, optimizer=opt, scheduler=sched, rng=True)
-    vault.gc()  # frees the training state dropped from all but the newest checkpoint
+    if retain:
+        vault.retain(training_state_last=1)
+    vault.gc()  # compacts, then frees the training state dropped from all but the newest
     size = vault.disk_bytes()
     model = T.build()
     if bf16:
@@ -128,12 +134,14 @@ def cmd_sizes(root: Path, scratch: Path, chains: list[int]) -> list[dict[str, An
         folders = T.checkpoints(root, phase)
         for bf16 in (False, True):
             trainer = trainer_bytes(folders, bf16, scratch)
-            for k in chains if not bf16 else [DELTA_CHAIN]:
-                target = scratch / f"vault-{phase}-{bf16}-{k}"
-                run = vault_run(folders, target, bf16, delta_chain=k)
+            runs = [(k, False) for k in (chains if not bf16 else [DELTA_CHAIN])]
+            for k, retain in [*runs, (DELTA_CHAIN, True)]:
+                target = scratch / f"vault-{phase}-{bf16}-{k}-{retain}"
+                run = vault_run(folders, target, bf16, retain, delta_chain=k)
                 shutil.rmtree(target)
                 rows.append({
                     "lr": lr, "weights": "bf16" if bf16 else "fp32", "K": k,
+                    "how": "retain afterwards" if retain else "training_state_last=1",
                     "checkpoints": len(folders), "trainer_bytes": trainer, **run,
                     "ratio": run["vault_bytes"] / trainer,
                 })  # fmt: skip
@@ -154,10 +162,19 @@ def _full_floor(data: bytes) -> float:
     return bound.analyse(mag, wide=32)["fraction"] + sign / 32
 
 
+def _pcodec(words: np.ndarray) -> float:
+    """What pcodec (a second coder, independent of the estimator and of blosc2; level 8,
+    its strongest) makes of ``words``, as a fraction of their bytes."""
+    from pcodec import ChunkConfig, standalone
+
+    return len(standalone.simple_compress(words, ChunkConfig(compression_level=8))) / words.nbytes
+
+
 def cmd_bound(root: Path, scratch: Path) -> list[dict[str, Any]]:
     """Per phase: the estimate for each delta between consecutive fp32 checkpoints, and
     the least a 10-checkpoint vault (one full set of weights, nine deltas, the newest
-    AdamW moments) could take against the Trainer-style folders."""
+    AdamW moments) could take against the Trainer-style folders; and what pcodec, a second
+    coder, reaches on the same deltas and moments (a floor checked twice)."""
     rows = []
     for phase, lr in (("a", "1e-3"), ("b", "3e-5")):
         folders = T.checkpoints(root, phase)
@@ -176,6 +193,20 @@ def cmd_bound(root: Path, scratch: Path) -> list[dict[str, Any]]:
         full = _full_floor(weights[0]) * n
         moments = sum(_full_floor(bufs[-1][k][0]) for k in ("fp32 exp_avg", "fp32 exp_avg_sq"))
         trainer = trainer_bytes(folders, False, scratch)
+        # pcodec on the zigzag differences as integers, and on the floats themselves.
+        pco_deltas = [
+            _pcodec(
+                np.frombuffer(
+                    make_delta(memoryview(weights[i]), weights[i - 1], DIFFERENCE, 4), "<u4"
+                )
+            )
+            for i in range(1, len(weights))
+        ]
+        pco_full = _pcodec(np.frombuffer(weights[0], "<f4"))
+        pco_moments = sum(
+            _pcodec(np.frombuffer(bufs[-1][k][0], "<f4"))
+            for k in ("fp32 exp_avg", "fp32 exp_avg_sq")
+        )
 
         fixed = full + moments * n  # the first weights and the newest moments
 
@@ -192,19 +223,11 @@ def cmd_bound(root: Path, scratch: Path) -> list[dict[str, Any]]:
             "least_ratio": least("fraction"),
             "least_ratio_with_context": least("fraction_with_context"),
             "least_ratio_length_free": least("fraction_length_free"),
+            "pcodec_delta_fraction": [round(f, 4) for f in pco_deltas],
+            "pcodec_ratio": (pco_full * n + pco_moments * n + sum(pco_deltas) * n) / trainer,
         })  # fmt: skip
         print(rows[-1], flush=True)
     return rows
-
-
-def _plain_save(folder: Path, model: Any, opt: Any) -> None:
-    from safetensors.torch import save_model
-
-    folder.mkdir()
-    save_model(model, str(folder / "model.safetensors"))
-    torch.save(opt.state_dict(), folder / "optimizer.pt")
-    for f in folder.iterdir():
-        fsync_path(str(f))
 
 
 def cmd_time(root: Path, scratch: Path, rounds: int) -> dict[str, Any]:
@@ -229,7 +252,7 @@ def cmd_time(root: Path, scratch: Path, rounds: int) -> dict[str, Any]:
         for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             if name == "save_model + torch.save":
-                _plain_save(scratch / f"plain-{r}", model, opt)
+                save_plain_files(scratch / f"plain-{r}", model, opt)
             else:
                 bg = name == "vault bg"
                 handle = vaults[name].save(
@@ -239,6 +262,8 @@ def cmd_time(root: Path, scratch: Path, rounds: int) -> dict[str, Any]:
                     times.setdefault("vault bg, blocking", []).append(time.perf_counter() - t0)
                     handle.wait()
             times.setdefault(name, []).append(time.perf_counter() - t0)
+            if name != "save_model + torch.save":
+                vaults[name].wait()  # its compactor, untimed, before the next contender
     out = {name: min(ts) for name, ts in times.items()}
     out.update(_cpu_floor(*states[-1][:2], states[-2][0]))
     out.update(_load_times(states[-1][0], scratch, rounds))
@@ -302,6 +327,7 @@ def _load_times(model: Any, scratch: Path, rounds: int) -> dict[str, float]:
     packed, raw = Vault(scratch / "load-vault"), Vault(scratch / "load-raw", compression=None)
     packed.save(model)
     raw.save(model)
+    packed.wait()
     fresh = T.build()
     contenders = {
         "load_model": lambda: load_model(fresh, str(plain)),

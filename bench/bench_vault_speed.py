@@ -1,0 +1,254 @@
+"""The vault at the speed of plain files (issue 27): the saves and resumes users run, timed
+beside what they would run otherwise, in one process, alternating, medians.
+
+Two runs of 10 checkpoints each, model + AdamW state:
+
+- ``gpt2``: GPT-2 with 6 blocks of width 512 (vocabulary 50257, 172 MB of fp32 weights,
+  every weight trainable), trained between checkpoints on the Python standard library's
+  source read as bytes (``--steps`` steps of AdamW at lr 1e-4 each);
+- ``lm``: issue 20's byte-level GPT-2 (13 MB), its lr 1e-3 phase's 10 checkpoints as
+  ``bench/_train_lm.py`` trained them (``--dir``, made by ``bench_compress.py train``).
+
+At every checkpoint each contender saves the same state, in an order that rotates:
+
+- ``files``: ``save_model`` + ``torch.save(optimizer.state_dict())``, both fsynced (the
+  Trainer's way);
+- ``vault``: ``Vault.save(model, optimizer=opt)``, synchronous (hash, raw objects made
+  durable by one syncfs, the record committed); its compactor then runs and is waited for
+  untimed, its process CPU seconds counted;
+- ``vault bg``: the same with ``background=True``: the time the call blocks;
+- ``vault, compression=None``.
+
+Then resumes, from the page cache as a resume after a save reads them: ``load_model`` +
+``opt.load_state_dict(torch.load(...))`` against ``Vault.load(model, name, optimizer=opt)``
+from the newest checkpoint (one object per tensor) and the oldest (the deepest chain). And
+for ``gpt2`` a frozen-backbone fine-tune (only the last block trainable): an incremental
+vault save against a full ``save_model`` + fsync. Sizes on disk at the end.
+
+    python3 -c "bytearray(8 << 30)"      # touch memory first
+    PYTHONPATH=src .venv/bin/python bench/bench_vault_speed.py gpt2 --rounds 5
+    PYTHONPATH=src .venv/bin/python bench/bench_vault_speed.py lm --dir /tmp/wv-lm --rounds 7
+
+Everything is written under one temporary folder, deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+from _common import fsync_path, machine, med, quiesce, save_plain_files, spread, table
+
+from weightvault import Vault
+
+CHECKPOINTS = 10
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+#: The GPT-2 run's shape (``--tiny`` makes a smoke test of the script).
+SHAPE = {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_positions": 256}
+
+
+def gpt2_states(steps: int, frozen: bool = False) -> Iterator[tuple[Any, Any]]:
+    """GPT-2 6 x 512 and its AdamW after each of 10 rounds of ``steps`` training steps."""
+    import _train_lm as T
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(**SHAPE)
+    model = GPT2LMHeadModel(cfg).train()
+    if frozen:
+        model.requires_grad_(False)
+        model.transformer.h[-1].requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    data = T.batches(T.text(), 0)
+    for _ in range(CHECKPOINTS):
+        for _ in range(steps):
+            batch = next(data)[:4]
+            model(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        yield model, opt
+
+
+def lm_states(root: Path) -> Iterator[tuple[Any, Any]]:
+    """Issue 20's trained byte-level GPT-2: its lr 1e-3 phase's checkpoints, in order."""
+    import _train_lm as T
+
+    for folder in T.checkpoints(root, "a")[:CHECKPOINTS]:
+        model, opt, _ = T.restore(folder)
+        yield model, opt
+
+
+def _files_load(folder: Path, model: Any, opt: Any) -> None:
+    from safetensors.torch import load_model
+
+    load_model(model, str(folder / "model.safetensors"))
+    opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+
+
+def _disk(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def run(states: Iterator[tuple[Any, Any]], scratch: Path, rounds: int) -> dict[str, Any]:
+    vaults = {
+        "vault": Vault(scratch / "vault"),
+        "vault bg": Vault(scratch / "vault-bg"),
+        "vault, compression=None": Vault(scratch / "vault-raw", compression=None),
+    }
+    names = ["files", *vaults]
+    saves: dict[str, list[float]] = {n: [] for n in names}
+    compactor_cpu: list[float] = []
+    compactor_wall: list[float] = []
+    lr: set[float] = set()
+    model = opt = None
+    for k, (model, opt) in enumerate(states):
+        lr |= {g["lr"] for g in opt.param_groups}
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            quiesce()
+            t0 = time.perf_counter()
+            if name == "files":
+                save_plain_files(scratch / f"files-{k:02d}", model, opt)
+            else:
+                handle = vaults[name].save(model, optimizer=opt, background=name == "vault bg")
+            saves[name].append(time.perf_counter() - t0)
+            if name == "vault bg":
+                handle.wait()
+            if name != "files":
+                c0, w0 = _cpu(), time.perf_counter()
+                vaults[name].wait()  # the compactor, untimed above, measured here alone
+                if name == "vault":
+                    compactor_cpu.append(_cpu() - c0)
+                    compactor_wall.append(time.perf_counter() - w0)
+    assert model is not None and opt is not None
+    # The first save writes everything into an empty vault: the rest are the run.
+    out: dict[str, Any] = {"optimizer lr": sorted(lr)}
+    out["save"] = {n: {"median": med(ts[1:]), "spread": spread(ts[1:])} for n, ts in saves.items()}
+    out["compactor"] = {
+        "cpu s per checkpoint": med(compactor_cpu[1:]),
+        "wall s per checkpoint": med(compactor_wall[1:]),
+    }
+    newest = vaults["vault"].resolve("latest")
+    oldest = vaults["vault"].list()[0].name
+    files = sorted(scratch.glob("files-*"))
+    contenders: dict[str, Callable[[], Any]] = {
+        "files newest": lambda: _files_load(files[-1], model, opt),
+        "vault newest": lambda: vaults["vault"].load(model, newest, optimizer=opt),
+        "vault oldest": lambda: vaults["vault"].load(model, oldest, optimizer=opt),
+        "vault newest, compression=None": lambda: vaults["vault, compression=None"].load(
+            model, newest, optimizer=opt
+        ),
+        "files oldest": lambda: _files_load(files[0], model, opt),
+    }
+    loads: dict[str, list[float]] = {n: [] for n in contenders}
+    order = list(contenders)
+    for r in range(rounds + 1):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            quiesce()
+            t0 = time.perf_counter()
+            contenders[name]()
+            if r:  # the first round warms up
+                loads[name].append(time.perf_counter() - t0)
+    out["load"] = {n: {"median": med(ts), "spread": spread(ts)} for n, ts in loads.items()}
+    out["disk"] = {
+        "files": sum(_disk(f) for f in files),
+        **{n: v.disk_bytes() for n, v in vaults.items()},
+    }
+    return out
+
+
+def frozen(scratch: Path, rounds: int) -> dict[str, Any]:
+    """Incremental saves of a frozen-backbone fine-tune against a full save_model."""
+    from safetensors.torch import save_model
+
+    vault = Vault(scratch / "frozen")
+    times: dict[str, list[float]] = {"save_model + fsync": [], "vault.save": []}
+    for k, (model, _) in enumerate(gpt2_states(1, frozen=True)):
+        if k > rounds:
+            break
+        for name in list(times)[k % 2 :] + list(times)[: k % 2]:
+            quiesce()
+            t0 = time.perf_counter()
+            if name == "vault.save":
+                vault.save(model)
+            else:
+                path = scratch / f"frozen-{k}.safetensors"
+                save_model(model, str(path))
+                fsync_path(str(path))
+                os.unlink(path)
+            times[name].append(time.perf_counter() - t0)
+        vault.wait()
+    return {n: {"median": med(ts[1:]), "spread": spread(ts[1:])} for n, ts in times.items()}
+
+
+def report(out: dict[str, Any]) -> None:
+    files_save = out["save"]["files"]["median"]
+    rows = [
+        [n, f"{v['median'] * 1000:.0f}", v["spread"], f"{v['median'] / files_save:.2f}x"]
+        for n, v in out["save"].items()
+    ]
+    print(table(rows, ["save (model + optimizer)", "median ms", "spread s", "vs files"]))
+    base = out["load"]["files newest"]["median"]
+    rows = [
+        [n, f"{v['median'] * 1000:.0f}", v["spread"], f"{v['median'] / base:.2f}x"]
+        for n, v in out["load"].items()
+    ]
+    print(table(rows, ["resume (model + optimizer)", "median ms", "spread s", "vs files newest"]))
+    files = out["disk"]["files"]
+    rows = [[n, f"{b / 1e6:.1f}", f"{b / files:.3f}x"] for n, b in out["disk"].items()]
+    print(table(rows, ["disk, 10 checkpoints", "MB", "vs files"]))
+    print(json.dumps({k: out[k] for k in ("compactor", "optimizer lr")}, indent=1))
+    if "frozen" in out:
+        f = out["frozen"]
+        ratio = f["vault.save"]["median"] / f["save_model + fsync"]["median"]
+        print(f"frozen backbone: {json.dumps(f)}; incremental / full = {ratio:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", choices=["gpt2", "lm"])
+    ap.add_argument("--dir", type=Path, help="the trained run of bench_compress.py (lm)")
+    ap.add_argument("--rounds", type=int, default=5, help="load rounds")
+    ap.add_argument("--steps", type=int, default=2, help="training steps between checkpoints")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--tiny", action="store_true", help="a 1 x 64 GPT-2: checks the script")
+    args = ap.parse_args()
+    if args.tiny:
+        SHAPE.update(n_layer=1, n_embd=64, n_head=2, vocab_size=256)
+    scratch = Path(tempfile.mkdtemp(prefix="wv-bench-speed-"))
+    try:
+        if args.run == "gpt2":
+            out = run(gpt2_states(args.steps), scratch, args.rounds)
+            out["frozen"] = frozen(scratch, args.rounds)
+        else:
+            if args.dir is None:
+                ap.error("lm needs --dir (bench_compress.py train --dir DIR makes it)")
+            out = run(lm_states(args.dir), scratch, args.rounds)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out["machine"] = machine()
+    report(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
