@@ -65,10 +65,6 @@ class Compactor:
                 self._active -= 1
                 self._cond.notify_all()
 
-    def running(self) -> bool:
-        with self._cond:
-            return self._thread is not None
-
     def wait(self, *, errors: bool = True) -> list[CompactReport]:
         """Wait until no pass runs or is due; the reports since the last wait.
 

@@ -154,19 +154,14 @@ class CompactLock:
                 return False
             self._fd = fd
             return True
-        if self.store.put(LOCK, self._owner(), exclusive=True):
-            self._beat = time.monotonic()
-            return True
-        if self._stale():
+        for attempt in range(2):  # a stale marker is removed once, then tried again
+            if self.store.put(LOCK, self._owner(), exclusive=True):
+                self._beat = time.monotonic()
+                return True
+            if attempt or not self._stale():
+                return False
             self.store.delete(LOCK)
-            return self.acquire_once()
         return False
-
-    def acquire_once(self) -> bool:
-        taken = self.store.put(LOCK, self._owner(), exclusive=True)
-        if taken:
-            self._beat = time.monotonic()
-        return taken
 
     def beat(self) -> None:
         """Refresh an object store's marker (a no-op for ``flock``)."""

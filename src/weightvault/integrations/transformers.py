@@ -184,13 +184,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         # saves done before the Trainer returns (a failure there was logged; it is done
         # later), then what it held while the last retention ran is freed.
         self.vault.wait(raise_errors=False)
-        error = None
-        if rank() == 0:
-            try:
-                self._retain(args)
-            except Exception as e:
-                error = e
-        agree(error, f"the retention at the end of training in {self.vault.url}", _FIX)
+        self._retain_agreed(args, "at the end of training")
 
     def _write(
         self,
@@ -233,13 +227,18 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
             self.vault, name, kwargs["model"], unwrap(kwargs.get("optimizer"), "optimizer"),
             unwrap(kwargs.get("lr_scheduler"), "scheduler"), metadata, _FIX,
         )  # fmt: skip
+        self._retain_agreed(args, f"after {name}")
+
+    def _retain_agreed(self, args: TrainingArguments, when: str) -> None:
+        """:meth:`_retain` on rank 0, then every rank agrees (collective): a failed
+        retention raises on every rank."""
         error = None
         if rank() == 0:
             try:
                 self._retain(args)
             except Exception as e:
                 error = e
-        agree(error, f"the retention after {name} in {self.vault.url}", _FIX)
+        agree(error, f"the retention {when} in {self.vault.url}", _FIX)
 
     def _settle(self, args: TrainingArguments) -> None:
         """Wait for the background save; collective, as the save's own :func:`agree` is."""
