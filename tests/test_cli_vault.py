@@ -35,6 +35,7 @@ def vault(tmp_path: Path) -> tuple[Path, nn.Module]:
         opt.step()
         opt.zero_grad()
         v.save(model, metadata={"step": str(step)})
+    v.wait()  # compacted: a test's damage lands on the objects as they stay
     return tmp_path / "v", model
 
 

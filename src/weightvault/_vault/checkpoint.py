@@ -87,8 +87,6 @@ class VaultCheckpoint(ObjectCheckpoint):
         self._kept: dict[str, memoryview] = {}
         self._arenas: list[_Arena] = []  # what stage() decodes kept objects into
         self._handles: dict[str, OpenObject] = {}
-        #: Objects stage() checked by their block sums: decoded once, by read_into/raw.
-        self._direct: set[str] = set()
         #: Objects read and checked against their checksums in the same pass.
         self._verified: set[str] = set()
         self._files: dict[str, bytes] = {}
@@ -304,18 +302,12 @@ class VaultCheckpoint(ObjectCheckpoint):
                     for _, f, frame in obj.links
                     if frame is not None  # _summed: every link is
                 )
-                with self._lock:
-                    if ok and len(self._handles) < _HANDLES and stored not in self._handles:
-                        self._handles[stored], obj = obj, None
-                    if ok:
-                        self._direct.add(stored)
-                return ok
-            if not obj.raw and (stored in self._kept or self._reserve(obj.size)):
+            elif not obj.raw and (stored in self._kept or self._reserve(obj.size)):
                 if stored not in self._kept:
                     out = self._arenas[-1].take(obj.size)
                     self._kept[stored] = self._decoded(stored, obj, parallel=False, out=out)
                 return not verify or self._matches(stored, self._kept[stored])
-            if obj.raw and not verify:
+            elif obj.raw and not verify:
                 ok = True
             else:
                 if not buffer or buffer[0].nbytes < obj.window:
@@ -337,7 +329,6 @@ class VaultCheckpoint(ObjectCheckpoint):
         for obj in list(self._handles.values()):
             obj.close()
         self._handles.clear()
-        self._direct.clear()
         self._verified.clear()
         self._kept.clear()
         self._arenas.clear()  # unmapped once no view of them is left

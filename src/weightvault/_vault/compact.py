@@ -399,10 +399,10 @@ def _compact_one(
     # The intent names the new checkpoint's objects, the bases of every delta written
     # here: a gc keeps them even if that checkpoint is deleted meanwhile. The older
     # objects are named by their own record, or were dropped (training state a retain
-    # took away): a gc may free those, and they are left alone (see _still_named).
-    intent = begin(store, {d for d, *_ in new.values()}, gc_wait=3600.0)
-    staged: dict[str, tuple[str, int, int]] = {}
+    # took away): a gc may free those, and they are left alone (see still_named).
     keep_whole = {d for d, *_ in new.values()}  # what the newer checkpoint reads stays whole
+    intent = begin(store, keep_whole, gc_wait=3600.0)
+    staged: dict[str, tuple[str, int, int]] = {}
     done: set[str] = set()
     limit = work.storage.max_chain
     try:
