@@ -35,6 +35,7 @@ from ._base.errors import (
     ReservedNameError,
     RuleError,
     ShapeMismatchError,
+    SourceDamagedError,
     TieConflictError,
     TrainingStateError,
     UnstorableValueError,
@@ -50,6 +51,7 @@ from ._file.checkpoint import Checkpoint
 from ._tools.convert import convert
 from ._tools.inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
 from ._vault.records import CheckpointRecord
+from ._vault.transfer import TransferReport
 from ._vault.vault import Vault
 from ._vault.verify import VaultVerifyReport
 
@@ -81,8 +83,10 @@ __all__ = [
     "SaveHandle",
     "SaveReport",
     "ShapeMismatchError",
+    "SourceDamagedError",
     "TieConflictError",
     "TrainingStateError",
+    "TransferReport",
     "UnstorableValueError",
     "UnsupportedDtypeError",
     "UnsupportedStateError",

@@ -15,6 +15,7 @@ catch, so ``except ValueError`` keeps working for code that does not know us::
       CheckpointExistsError    (FileExistsError)  a vault checkpoint name is taken
       CheckpointNotFoundError  (LookupError)      no vault checkpoint has that name
       CheckpointNameError      (ValueError)       a string is not a valid checkpoint name
+      SourceDamagedError   (ValueError)   a push or pull found damaged source objects
       BackendNotInstalled  (ImportError)  the framework extra is missing
 
 Messages name the file and the tensor, show capped evidence and suggest one fix.
@@ -203,6 +204,19 @@ class LoadOptionError(WeightvaultError, ValueError):
 
 class NameCollisionError(WeightvaultError, ValueError):
     """Two different variables of one model would be saved under the same name."""
+
+
+class SourceDamagedError(FormatError):
+    """A push or pull found damaged objects or records on the sending vault: the
+    checkpoints that need them were not sent, the others were.
+
+    Attributes:
+        report: The transfer's report (``.damaged`` lists each damaged object).
+    """
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 class VaultBusyError(WeightvaultError, TimeoutError):

@@ -34,7 +34,8 @@ def holds_vault(store: Store) -> bool:
     """Whether the store's root holds a vault; ``False`` if it holds nothing of one yet.
 
     Raises:
-        FormatError: The root is a file, or its ``vault.json`` is not one of ours.
+        FormatError: The root is a file, or its ``vault.json`` is not one of ours, or is
+            of a format version this code does not know.
     """
     try:
         raw = store.get(MARKER)
@@ -46,10 +47,17 @@ def holds_vault(store: Store) -> bool:
         raise _not_a_vault(store, "vault.json is a folder") from None
     try:
         found = json.loads(raw)
-        ok = found.get("format") == FORMAT and found.get("version") == VERSION
+        ours = found.get("format") == FORMAT
+        version = found.get("version")
     except (ValueError, AttributeError, RecursionError):
-        ok = False
-    if not ok:
+        ours, version = False, None
+    if ours and version != VERSION:
+        raise FormatError(
+            f"{store.url}/{MARKER}: vault format version {version!r}, which this "
+            f"weightvault does not know (it reads version {VERSION}); upgrade weightvault "
+            "on this machine"
+        )
+    if not ours:
         raise _not_a_vault(store, "vault.json is another file")
     return True
 

@@ -51,6 +51,7 @@ from .records import (
 from .retain import drop_training_except_last
 from .save import Checksums, Progress, save_sources
 from .store import open_store
+from .transfer import TransferReport, transfer
 from .verify import VaultVerifyReport, verify_vault
 
 __all__ = ["GC_PACE", "Vault", "VaultLike", "as_vault"]
@@ -391,6 +392,81 @@ class Vault:
         self._require()
         return sum(b.size for b in self.store.list(""))
 
+    # -- moving ------------------------------------------------------------------------
+
+    def push(
+        self,
+        dest: VaultLike,
+        names: Sequence[str] | None = None,
+        *,
+        progress: Progress | bool | None = None,
+        **storage_options: Any,
+    ) -> TransferReport:
+        """Send checkpoints ``names`` (every one by default) to the vault ``dest``, with
+        only the objects it lacks, as they are stored here.
+
+        ``dest`` commits each checkpoint as a save would: every object it needs durable
+        first (each checked against its name), the record last; a push killed at any
+        moment leaves no checkpoint there that fails to load, and a rerun sends only what
+        is still missing. See docs/vault.md, "Moving vaults".
+
+        Args:
+            dest: A :class:`Vault`, a path or an fsspec URL; an empty one becomes a vault.
+            names: Checkpoint names (``"latest"`` allowed), or ``None`` for all.
+            progress: ``True`` draws a bar on stderr when it is a terminal; a callable is
+                called with the bytes of each object sent.
+            **storage_options: For ``dest`` given as a URL (endpoint, credentials).
+
+        Returns:
+            A :class:`~weightvault.TransferReport` (``checkpoints``, ``objects_sent``,
+            ``bytes_sent``, ``bytes_skipped``, ...).
+
+        Raises:
+            CheckpointExistsError: ``dest`` holds a different checkpoint of one of the
+                names; nothing was sent.
+            SourceDamagedError: Objects here are damaged: the checkpoints needing them
+                were not sent, the others were.
+            FormatError: ``dest`` holds other data, or a vault format this code does not
+                know.
+
+        Example:
+            >>> vault.push("s3://bucket/run1").bytes_sent      # everything, the first time
+            1048576
+            >>> vault.push("s3://bucket/run1").bytes_sent      # nothing, the second
+            0
+        """
+        self._require()
+        self._settle()  # a background save still being written is part of "every"
+        receiver = as_vault(dest, **storage_options)
+        return _moved(self, receiver, names, progress, "pushing")
+
+    def pull(
+        self,
+        source: VaultLike,
+        names: Sequence[str] | None = None,
+        *,
+        progress: Progress | bool | None = None,
+        **storage_options: Any,
+    ) -> TransferReport:
+        """Fetch checkpoints ``names`` (every one by default) from the vault ``source``
+        into this one, with only the objects this one lacks: :meth:`push` the other way.
+
+        A checkpoint pulled alone brings what it needs to load: its objects and the delta
+        bases they rely on, or a tensor whole where its delta chain would cost more.
+
+        Example:
+            >>> local = Vault("runs/eval")
+            >>> local.pull("s3://bucket/run1", ["000010"]).checkpoints
+            ['000010']
+        """
+        self._settle()
+        sender = as_vault(source, **storage_options)
+        report = _moved(sender, self, names, progress, "pulling")
+        self._found = True
+        if report.marked and self.compaction == "background":
+            self._compactor.kick()  # what arrived raw is compacted as a save's would be
+        return report
+
     # -- removing ----------------------------------------------------------------------
 
     def delete(self, name: str) -> None:
@@ -513,6 +589,26 @@ class Vault:
 
     def __repr__(self) -> str:
         return f"Vault({self.url!r})"
+
+
+def _moved(
+    sender: Vault,
+    receiver: Vault,
+    names: Sequence[str] | None,
+    progress: Progress | bool | None,
+    label: str,
+) -> TransferReport:
+    """One transfer from ``sender`` to ``receiver``, with a bar for ``progress=True``."""
+    bar = Bar(0, f"{label} to {receiver.url}") if progress is True else progress or None
+    codec = receiver.storage.codec or sender.storage.codec
+    try:
+        return transfer(
+            sender.store, receiver.store, names, progress=bar, gc_wait=receiver.gc_wait,
+            codec=codec,
+        )  # fmt: skip
+    finally:
+        if isinstance(bar, Bar):
+            bar.close()
 
 
 def _reopen(url: str, gc_wait: float, options: dict[str, Any]) -> Vault:
