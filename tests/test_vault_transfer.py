@@ -338,3 +338,29 @@ def test_a_push_killed_at_random_points_leaves_loadable_checkpoints_and_resumes(
         assert receiver.verify().ok, run
     assert interrupted >= 5  # the kills landed inside pushes, not after them
     check_loads(Vault(tmp_path / "dst19"), expected, width=96)
+
+
+def test_push_to_and_pull_from_s3(
+    source: tuple[Vault, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against moto's S3 server on 127.0.0.1: a full push, a second that sends nothing, a
+    pull of the newest alone, and a pull of everything back, each loading bitwise."""
+    pytest.importorskip("s3fs")
+    from _dcp_s3 import moto_s3
+
+    vault, expected = source
+    with moto_s3(monkeypatch, tmp_path) as (url, options):
+        report = vault.push(url, **options)
+        assert report.committed == list(expected)
+        assert report.bytes_sent == object_bytes(vault)
+        assert vault.push(url, **options).bytes_sent == 0
+        remote = Vault(url, **options)
+        assert remote.verify().ok
+        newest = list(expected)[-1]
+        one = Vault(tmp_path / "one").pull(remote, ["latest"])
+        assert one.checkpoints == [newest] and one.whole == 0
+        back = Vault(tmp_path / "back")
+        assert back.pull(url, **options).committed == list(expected)
+        assert back.verify().ok
+        check_loads(back, expected)
+        check_loads(remote, {newest: expected[newest]})

@@ -12,6 +12,7 @@ from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
 from .._vault.store import open_store
+from .._vault.transfer import TransferReport
 from .._vault.usage import vault_usage
 from .._vault.vault import Vault
 from .common import (
@@ -43,6 +44,8 @@ examples:
   weightvault vault runs/ft rm 000001 && weightvault vault runs/ft gc
   weightvault vault runs/ft gc --break-lock      # after a gc was killed
   weightvault vault runs/ft plot -o bytes.png
+  weightvault vault runs/ft push s3://bucket/ft   # send what the other vault lacks
+  weightvault vault runs/eval pull s3://bucket/ft latest
 """
 
 
@@ -201,6 +204,34 @@ def cmd_rm(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def _moved(report: TransferReport, verb: str, other: str, as_json: bool, out: TextIO) -> int:
+    """Print a push's or pull's report (or the report as JSON)."""
+    if as_json:
+        print_json(asdict(report), out)
+        return EXIT_OK
+    n, new = len(report.checkpoints), len(report.committed)
+    out.write(
+        f"{verb} {n} checkpoint{'s' if n != 1 else ''} {other} ({new} new): "
+        f"{report.objects_sent} object{'s' if report.objects_sent != 1 else ''}, "
+        f"{human(report.bytes_sent)} sent, {human(report.bytes_skipped)} already there"
+        + (f", {report.whole} sent whole" if report.whole else "")
+        + "\n"
+    )
+    return EXIT_OK
+
+
+def cmd_push(args: argparse.Namespace, out: TextIO) -> int:
+    vault = _vault(args)
+    report = vault.push(args.other, args.names or None, progress=True)
+    return _moved(report, "pushed", f"to {args.other}", args.json, out)
+
+
+def cmd_pull(args: argparse.Namespace, out: TextIO) -> int:
+    # The receiver may not exist yet: a pull into a new path makes it a vault.
+    report = Vault(args.root).pull(args.other, args.names or None, progress=True)
+    return _moved(report, "pulled", f"from {args.other}", args.json, out)
+
+
 def cmd_plot(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     drawn = plot(vault, args.output)
@@ -277,3 +308,19 @@ def register(sub: Subparsers) -> None:
         "raw against written.",
     )
     p.add_argument("-o", "--output", default="vault-bytes.png", help="PNG file to write")
+    p = verb(
+        "push",
+        cmd_push,
+        "Send checkpoints to another vault (made if the path is empty), with only the "
+        "objects it lacks, as they are stored here.",
+    )
+    p.add_argument("other", metavar="DEST", help="the receiving vault: a folder or a URL")
+    p.add_argument("names", nargs="*", help="checkpoints to send (default: all)")
+    p = verb(
+        "pull",
+        cmd_pull,
+        "Fetch checkpoints from another vault into ROOT (made if the path is empty), with "
+        "only the objects ROOT lacks.",
+    )
+    p.add_argument("other", metavar="SRC", help="the sending vault: a folder or a URL")
+    p.add_argument("names", nargs="*", help="checkpoints to fetch (default: all)")
