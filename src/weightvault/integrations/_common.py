@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 
 from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
-from .._vault.vault import GC_PACE, Vault
+from .._vault.mirror import Mirror
+from .._vault.vault import GC_PACE, Vault, VaultLike
 
 
 def not_installed(extra: str, needs: str) -> BackendNotInstalled:
@@ -48,3 +49,13 @@ def trim(vault: Vault, *, keep_last: int | None, training_state_last: int | None
         return
     vault.retain(keep_last=keep_last, training_state_last=training_state_last)
     vault.gc(pace=GC_PACE)
+
+
+def mirror_for(vault: Vault, mirror: VaultLike | None) -> Mirror | None:
+    """The :class:`~weightvault._vault.mirror.Mirror` a loop's ``mirror=`` asks for, if any.
+
+    Every integration pushes each checkpoint once it has committed locally
+    (``after_save``), in the mirror's own thread, and waits for the last push when
+    training ends (``wait``); a mirror that fails only logs warnings.
+    """
+    return None if mirror is None else Mirror(vault, mirror)

@@ -25,7 +25,7 @@ from typing import Any
 
 from .._base.errors import TrainingStateError
 from .._vault.vault import VaultLike, as_vault
-from ._common import trim
+from ._common import mirror_for, trim
 
 try:
     import keras
@@ -67,6 +67,9 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             of the vault). They still load with ``vault.load(model, name)``;
             :func:`restore` of one raises :class:`~weightvault.TrainingStateError` naming
             it. ``None`` keeps it all.
+        mirror: Another vault (a path or a URL) each checkpoint is pushed to once it
+            commits, in a background thread (see ``VaultCallback``'s ``mirror``); the end
+            of training waits for the last push.
 
     Raises:
         ValueError: ``save_freq`` is neither ``"epoch"`` nor a positive integer, or
@@ -87,6 +90,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         rng: bool = True,
         keep: int | None = None,
         training_state_last: int | None = None,
+        mirror: VaultLike | None = None,
     ) -> None:
         super().__init__()
         if save_freq != "epoch" and (
@@ -101,6 +105,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
                 f"{training_state_last!r}"
             )
         self.vault = as_vault(vault)
+        self.mirror = mirror_for(self.vault, mirror)
         self.save_freq = save_freq
         self.save_optimizer = save_optimizer
         self.rng = rng
@@ -130,6 +135,8 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         # while the last retention ran is freed.
         self.vault.wait(raise_errors=False)
         trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
+        if self.mirror is not None:
+            self.mirror.wait()  # the last push (a failure was logged, never raised)
 
     def _save(self, name: str, epoch: int) -> None:
         optimizer = self.model.optimizer if self.save_optimizer else None
@@ -140,6 +147,8 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             rng=self.rng,
             metadata={EPOCH_KEY: str(epoch), STEP_KEY: str(self._step)},
         )
+        if self.mirror is not None:
+            self.mirror.after_save(name)  # pushed in the mirror's thread
         trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
 
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import PurePath
 from typing import Any
 
-from ._common import discard, not_installed
+from ._common import discard, mirror_for, not_installed
 
 try:
     import torch
@@ -86,6 +86,9 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             :class:`~weightvault.TrainingStateError` naming it. ``None`` takes the vault's
             own ``training_state_last`` (which by itself sees only the training state
             ``Vault.save`` records, not Lightning's), and keeps it all when that is unset.
+        mirror: Another vault (a path or a URL) each checkpoint is pushed to once it
+            commits, in a background thread (see ``VaultCallback``'s ``mirror``); the
+            plugin's ``teardown`` waits for the last push.
 
     Example:
         >>> trainer = Trainer(max_epochs=3, plugins=[VaultCheckpointIO("runs/vault")],
@@ -94,13 +97,20 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         >>> trainer.fit(model, ckpt_path="checkpoints/epoch=0-step=4.ckpt")  # resumes
     """
 
-    def __init__(self, vault: VaultLike, *, training_state_last: int | None = None) -> None:
+    def __init__(
+        self,
+        vault: VaultLike,
+        *,
+        training_state_last: int | None = None,
+        mirror: VaultLike | None = None,
+    ) -> None:
         if training_state_last is not None and training_state_last < 1:
             raise ValueError(
                 "training_state_last must be at least 1 (None keeps every checkpoint's "
                 f"training state), not {training_state_last!r}"
             )
         self.vault = as_vault(vault)
+        self.mirror = mirror_for(self.vault, mirror)
         if training_state_last is None:
             training_state_last = self.vault.training_state_last
         self.training_state_last = training_state_last
@@ -131,6 +141,8 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         try:
             discard(self.vault, name)
             self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
+            if self.mirror is not None:
+                self.mirror.after_save(name)  # pushed in the mirror's thread
             if self.training_state_last is not None:
                 drop_training_except_last(self.vault.store, self.training_state_last, _training)
                 self.vault.gc(pace=GC_PACE)  # the disk stops growing; see Vault.gc
@@ -189,6 +201,8 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             # A run that ends well ends compact: the compactor's work on this process's
             # saves is done first (a failure there was logged; it is done later).
             self.vault.wait(raise_errors=False)
+            if self.mirror is not None:
+                self.mirror.wait()  # the last push (a failure was logged, never raised)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""

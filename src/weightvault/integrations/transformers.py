@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import discard, not_installed, trim
+from ._common import discard, mirror_for, not_installed, trim
 
 try:
     import torch
@@ -85,6 +85,11 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
             it counts every checkpoint of the vault). They still load with
             ``vault.load(model, name)``; :func:`checkout` of one raises
             :class:`~weightvault.TrainingStateError` naming it. ``None`` keeps it all.
+        mirror: Another vault (a path or a URL such as ``"s3://bucket/run1"``) that
+            each checkpoint is pushed to once it commits, in a background thread: only
+            the objects the mirror lacks travel. A failing mirror logs a warning per
+            checkpoint and is retried at the next save; it never fails a step. Local
+            retention never deletes from it. The end of training waits for the last push.
 
     Example:
         >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[VaultCallback(vault)])
@@ -99,6 +104,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         *,
         background: bool = False,
         training_state_last: int | None = None,
+        mirror: VaultLike | None = None,
     ) -> None:
         if training_state_last is not None and training_state_last < 1:
             raise ValueError(
@@ -106,6 +112,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
                 f"training state), not {training_state_last!r}"
             )
         self.vault = as_vault(vault)
+        self.mirror = mirror_for(self.vault, mirror)
         self.background = background
         self.training_state_last = training_state_last
         self._pending: Any = None
@@ -185,6 +192,8 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         # later), then what it held while the last retention ran is freed.
         self.vault.wait(raise_errors=False)
         self._retain_agreed(args, "at the end of training")
+        if self.mirror is not None:
+            self.mirror.wait()  # the last push (a failure was logged, never raised)
 
     def _write(
         self,
@@ -211,6 +220,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         if self.background:
             self._pending = result
         else:
+            self._mirrored(name)
             self._retain(args)
 
     def _write_sharded(
@@ -227,6 +237,8 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
             self.vault, name, kwargs["model"], unwrap(kwargs.get("optimizer"), "optimizer"),
             unwrap(kwargs.get("lr_scheduler"), "scheduler"), metadata, _FIX,
         )  # fmt: skip
+        if rank() == 0:
+            self._mirrored(name)
         self._retain_agreed(args, f"after {name}")
 
     def _retain_agreed(self, args: TrainingArguments, when: str) -> None:
@@ -250,10 +262,16 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         try:
             if pending is not None:
                 pending.wait()
+                self._mirrored(name)
                 self._retain(args)
         except Exception as e:
             error = e
         agree(error, f"the background vault save of {name} into {self.vault.url}", _FIX)
+
+    def _mirrored(self, name: str) -> None:
+        """Queue committed checkpoint ``name`` for the mirror's thread (returns at once)."""
+        if self.mirror is not None:
+            self.mirror.after_save(name)
 
     def _retain(self, args: TrainingArguments) -> None:
         trim(
