@@ -118,30 +118,29 @@ def main() -> None:
             times.setdefault(label, []).append(time.perf_counter() - t)
             return out
 
+        def push_local() -> int:
+            shutil.rmtree(f"{tmp}/dst", ignore_errors=True)
+            return int(src.push(f"{tmp}/dst").bytes_sent)
+
         for r in range(a.rounds):
-            order = [0, 1, 2, 3] if r % 2 == 0 else [3, 2, 1, 0]
-            for k in order:
-                if k == 0:
-                    shutil.rmtree(f"{tmp}/dst", ignore_errors=True)
-                    sent["push local"] = run(
-                        "push local", lambda: src.push(f"{tmp}/dst")
-                    ).bytes_sent
-                elif k == 1:
-                    url = f"s3://bench/run{r}"
-                    sent["push s3"] = run("push s3", lambda: src.push(url, **opts)).bytes_sent
-                    sent["second push s3"] = src.push(url, **opts).bytes_sent
-                elif k == 2:
-                    run(
-                        "copy trainer folders",
-                        lambda: fs.put(f"{tmp}/trainer", f"bench/tr{r}", recursive=True),
-                    )
-                    sent["copy trainer folders"] = folder_bytes(f"{tmp}/trainer")
-                else:
-                    run(
-                        "copy vault folder",
-                        lambda: fs.put(f"{tmp}/src", f"bench/vf{r}", recursive=True),
-                    )
-                    sent["copy vault folder"] = folder_bytes(f"{tmp}/src")
+            url = f"s3://bench/run{r}"
+            contenders = {
+                "push local": push_local,
+                "push s3": lambda url=url: src.push(url, **opts).bytes_sent,
+                "copy trainer folders": lambda r=r: fs.put(
+                    f"{tmp}/trainer", f"bench/tr{r}", recursive=True
+                ),
+                "copy vault folder": lambda r=r: fs.put(
+                    f"{tmp}/src", f"bench/vf{r}", recursive=True
+                ),
+            }
+            order = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
+            for label in order:
+                moved = run(label, contenders[label])
+                sent[label] = moved if isinstance(moved, int) else 0
+            sent["second push s3"] = src.push(url, **opts).bytes_sent
+            sent["copy trainer folders"] = folder_bytes(f"{tmp}/trainer")
+            sent["copy vault folder"] = folder_bytes(f"{tmp}/src")
         print("\ncontender              median s   MiB moved")
         for label, ts in times.items():
             print(f"{label:22} {statistics.median(ts):8.2f}   {sent[label] / 2**20:8.1f}")
