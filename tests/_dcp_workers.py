@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -42,6 +43,13 @@ def _entry(rank: int, world: int, rdzv: str, fn: Callable[..., Any], args: tuple
         raise
     finally:
         dist.destroy_process_group()
+    # The rank's work is done and checked. Leave before interpreter teardown: an FSDP
+    # device mesh still holds the gloo group, and destroying it during finalization
+    # aborts now and then ("terminate called without an active exception"), which
+    # failed CI on a rank whose load had passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300) -> None:
