@@ -4,7 +4,10 @@ thread; a mirror that goes away warns and catches up, never failing a step."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +118,81 @@ def test_the_trainer_callback_mirrors_every_checkpoint(tmp_path: Path) -> None:
     final = Vault(tmp_path / "local").open("checkpoint-6")
     with remote.open("checkpoint-6") as theirs, final:
         assert theirs.objects == final.objects
+
+
+def test_the_mirror_holds_back_while_the_local_vault_saves_or_loads(tmp_path: Path) -> None:
+    """A push waits between batches while the vault is busy, and goes on once it is not."""
+    vault = Vault(tmp_path / "local", compaction=None)
+    mirror = Mirror(vault, tmp_path / "mirror")
+    model, opt = train()
+    step(model, opt)
+    name = vault.save(model, optimizer=opt).name
+    expected = {name: state(model, opt)}
+    with vault._compactor.busy():  # what a save or a load of this Vault holds
+        mirror.after_save(name)
+        time.sleep(1.0)
+        assert (
+            not (tmp_path / "mirror" / "checkpoints").exists()
+            or not Vault(tmp_path / "mirror").list()
+        )
+    report = mirror.wait(timeout=120)
+    assert report is not None and report.committed == [name]
+    check_loads(Vault(tmp_path / "mirror"), expected)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_mirror_thread_runs_nicer_than_training(tmp_path: Path) -> None:
+    seen: list[int] = []
+    real = Mirror._push_queued
+
+    def spy(self: Mirror) -> bool:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(self)
+
+    vault = Vault(tmp_path / "local", compaction=None)
+    model, opt = train()
+    step(model, opt)
+    mirror = Mirror(vault, tmp_path / "mirror")
+    Mirror._push_queued = spy  # type: ignore[method-assign]
+    try:
+        mirror.after_save(vault.save(model, optimizer=opt).name)
+        assert mirror.wait(timeout=120) is not None
+    finally:
+        Mirror._push_queued = real  # type: ignore[method-assign]
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen and seen[0] == min(19, mine + 10), (seen, mine)
+
+
+def test_retention_waits_for_the_mirror_then_applies_what_it_left(tmp_path: Path) -> None:
+    """Saves outrun the push (held back here): the mirror still gets every checkpoint
+    with its optimizer state, and the local vault ends as its retention asked."""
+    vault = Vault(tmp_path / "local", compaction=None)
+    mirror = Mirror(vault, tmp_path / "mirror")
+    model, opt = train()
+    expected = {}
+    with vault._compactor.busy():
+        for _ in range(3):
+            step(model, opt)
+            name = vault.save(model, optimizer=opt).name
+            expected[name] = state(model, opt)
+            mirror.after_save(name)
+            assert vault.retain(keep_last=1, training_state_last=1) == []
+        assert [r.name for r in vault.list()] == list(expected)  # all kept, still queued
+    assert mirror.wait(timeout=120) is not None
+    check_loads(Vault(tmp_path / "mirror"), expected)
+    assert [r.name for r in vault.list()] == list(expected)[-1:]
+    assert not vault.spared
+
+
+def test_a_failing_mirror_does_not_hold_local_retention(tmp_path: Path) -> None:
+    blocker = tmp_path / "mirror"
+    blocker.write_text("not a vault")  # every push fails
+    vault = Vault(tmp_path / "local", compaction=None)
+    mirror = Mirror(vault, blocker)
+    model, opt = train()
+    for _ in range(3):
+        step(model, opt)
+        mirror.after_save(vault.save(model, optimizer=opt).name)
+        mirror.wait(timeout=60)
+        vault.retain(keep_last=1)
+    assert len(vault.list()) == 1 and not vault.spared

@@ -90,7 +90,8 @@ class Compactor:
         if thread is not None:
             thread.join(timeout)
 
-    def _pause(self) -> None:
+    def pause_while_busy(self) -> None:
+        """Block while a save or a load of this ``Vault`` runs (until the stop at exit)."""
         with self._cond:
             while self._active and not self._stop.is_set():
                 self._cond.wait(0.5)
@@ -103,7 +104,7 @@ class Compactor:
                     return
                 self._wanted = False
             try:
-                report = self._work(self._pause, self._stop)
+                report = self._work(self.pause_while_busy, self._stop)
             except BaseException as e:  # reported by wait(); the data is safe either way
                 log.warning(
                     "weightvault compaction failed (%s: %s); what is left is done later",

@@ -7,14 +7,22 @@ committed locally; that only queues its name. A thread of the mirror's own then 
 what is queued (:func:`~.transfer.transfer`: only the objects the mirror lacks). The
 training step never waits for the network, and never fails because of it:
 
+- Retention waits for the mirror: ``retain`` and ``training_state_last`` leave a queued
+  checkpoint whole (its training state too) until it is pushed, so the mirror gets each
+  checkpoint as it committed; :meth:`Mirror.wait` then applies what they left.
 - A push that fails (network down, credentials wrong) logs one warning per checkpoint on
   the ``weightvault`` logger and keeps the checkpoint queued; the next save tries again.
-- A checkpoint deleted locally before it was pushed (``retain``) is dropped from the queue;
-  local ``retain`` and ``gc`` never touch the mirror, which keeps what it was sent.
+  Retention no longer waits for those (an outage must not fill the local disk), so a
+  checkpoint retention deletes meanwhile is dropped from the queue; so is one deleted by
+  name (``delete``); local ``retain`` and ``gc`` never touch the mirror, which keeps what
+  it was sent.
 - A name the mirror holds with other content (a resumed run that replaced a checkpoint)
   is warned about once and not retried: the mirror never overwrites.
 - :meth:`Mirror.wait` (called at the end of training) waits for the push in flight, then
   tries once more for what is still queued.
+
+The thread runs nicer than training (on Linux), and between batches of objects it holds
+back while the local vault saves or loads, so the loop's own checkpoint work comes first.
 
 Example:
     >>> mirror = Mirror(vault, "s3://bucket/run1")
@@ -30,6 +38,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .._base.errors import CheckpointExistsError, SourceDamagedError
+from .._base.priority import lower_priority
 from .records import record_names
 from .transfer import TransferReport, transfer
 
@@ -59,6 +68,7 @@ class Mirror:
         self._dest: Vault | None = None
         self._queue: list[str] = []
         self._warned: set[str] = set()
+        self._released: set[str] = set()  # queued, but retention may take them
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._added = 0  # names queued so far: a save during a push is pushed after it
@@ -74,6 +84,7 @@ class Mirror:
         with self._cond:
             if name not in self._queue:
                 self._queue.append(name)
+                self.vault._spare(name)  # retention waits until it is pushed
             self._added += 1
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -91,9 +102,12 @@ class Mirror:
             thread.join(timeout)
         if self._queue and (thread is None or not thread.is_alive()):
             self._push_queued()
+        if thread is None or not thread.is_alive():
+            self.vault._retain_deferred()  # what retention left for the mirror
         return self.last
 
     def _run(self) -> None:
+        lower_priority()  # training's cores come first; the push is work nobody waits for
         while True:
             with self._cond:
                 seen = self._added
@@ -122,8 +136,14 @@ class Mirror:
             names = [n for n in names if n in present]
             if not names:
                 return True
+            dest = self._receiver()
+            # Between batches the push waits while the local vault saves or loads.
             report = transfer(
-                self.vault.store, self._receiver().store, names, gc_wait=self._receiver().gc_wait
+                self.vault.store,
+                dest.store,
+                names,
+                gc_wait=dest.gc_wait,
+                pause=self.vault._compactor.pause_while_busy,
             )
         except (CheckpointExistsError, SourceDamagedError) as e:
             self._warn(names, e, retry=False)  # a retry cannot succeed
@@ -131,10 +151,18 @@ class Mirror:
             return True
         except Exception as e:  # the network, credentials, the mirror's disk: retried
             self._warn(names, e, retry=True)
+            self._release(names)  # an outage must not stop local retention for long
             return False
         self.last = report
         self._forget(report.checkpoints)
         return True
+
+    def _release(self, names: list[str]) -> None:
+        """Let retention have ``names`` again while they stay queued for a retry."""
+        with self._cond:
+            fresh = [n for n in names if n not in self._released]
+            self._released |= set(fresh)
+            self.vault._unspare(fresh)
 
     def _receiver(self) -> Vault:
         if self._dest is None:
@@ -145,8 +173,11 @@ class Mirror:
 
     def _forget(self, names: list[str]) -> None:
         with self._cond:
+            gone = [n for n in self._queue if n in names and n not in self._released]
+            self._released -= set(names)
             self._queue = [n for n in self._queue if n not in names]
             self._warned -= set(names)
+            self.vault._unspare(gone)
 
     def _warn(self, names: list[str], error: Exception, *, retry: bool) -> None:
         new = [n for n in names if n not in self._warned]

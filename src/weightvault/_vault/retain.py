@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from .._base.errors import CheckpointNotFoundError
@@ -189,9 +189,16 @@ def drop_training(store: Store, name: str, split: Split | None = None) -> bool:
     return True
 
 
-def drop_training_except_last(store: Store, last: int, split: Split | None = None) -> list[str]:
+def drop_training_except_last(
+    store: Store, last: int, split: Split | None = None, *, spare: Collection[str] = ()
+) -> list[str]:
     """Drop the training state of every checkpoint but the newest ``last``; return the
-    names rewritten (oldest first). ``split`` as for :func:`drop_training`."""
+    names rewritten (oldest first). ``split`` as for :func:`drop_training`; names in
+    ``spare`` (a mirror has yet to push them) are left whole for a later call."""
     records = list_records(store)
     older = records[: max(0, len(records) - last)]
-    return [r.name for r in older if not r.weights_only and drop_training(store, r.name, split)]
+    return [
+        r.name
+        for r in older
+        if not r.weights_only and r.name not in spare and drop_training(store, r.name, split)
+    ]

@@ -386,6 +386,7 @@ def transfer(
     progress: Progress | None = None,
     gc_wait: float = 600.0,
     codec: Codec | None = None,
+    pause: Callable[[], None] | None = None,
 ) -> TransferReport:
     """Send checkpoints ``names`` (all by default) from ``source`` to ``dest``, with only
     the objects ``dest`` lacks (see the module docstring for what ``dest`` is promised).
@@ -398,6 +399,8 @@ def transfer(
             ``phase(label, total)`` method (a progress bar) is told the total first.
         gc_wait: How long to wait for a gc running on ``dest``.
         codec: How objects sent whole are compressed (blosc2 by default).
+        pause: Called before each batch of objects; it may block (a mirror waits there
+            while the sending vault saves or loads, so training never waits for it).
 
     Returns:
         What was sent and what the receiver now holds.
@@ -449,7 +452,7 @@ def transfer(
         skipped |= {d for c in todo for d in c.objects.values() if d in plan.have}
         report.bytes_skipped = sum(plan.file_size(d) for d in skipped)
         _sending(progress, plan, todo)
-        _send(plan, todo, report, progress, codec or CODECS[DEFAULT])
+        _send(plan, todo, report, progress, codec or CODECS[DEFAULT], pause)
     finally:
         release(dest, [intent])
     created = {c.name: (c.created, c.name) for c in opened}
@@ -513,6 +516,7 @@ def _send(
     report: TransferReport,
     progress: Progress | None,
     codec: Codec,
+    pause: Callable[[], None] | None = None,
 ) -> None:
     """Send each checkpoint's missing objects, bases first, in checked batches, then
     commit its record."""
@@ -528,6 +532,8 @@ def _send(
                 batch.append(digest)
                 batch_bytes += plan.file_size(digest)
             if batch and (digest is None or batch_bytes >= BATCH_BYTES):
+                if pause is not None:
+                    pause()
                 raw_arrived |= _send_batch(plan, ckpt, batch, bad, report, progress, codec)
                 sent.update(d for d in batch if d not in bad)
                 plan.refresh()  # the intent never ages into one gc expires

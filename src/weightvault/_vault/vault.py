@@ -20,9 +20,10 @@ deletes an object a checkpoint needs. :class:`Vault` is the public face of those
 from __future__ import annotations
 
 import builtins
+import collections
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._base.background import SaveHandle, SnapshotPool
@@ -138,6 +139,10 @@ class Vault:
         self._pending: SaveHandle[CheckpointRecord] | None = None
         self._snapshots = SnapshotPool()
         self._sums = Checksums()
+        #: Checkpoints a mirror has queued and not pushed yet: retention leaves them
+        #: whole until it has (see :meth:`_spare`).
+        self._spared: collections.Counter[str] = collections.Counter()
+        self._deferred: dict[str, Any] | None = None
         self._last_gc: tuple[float, float] | None = None  # (seconds it took, when it ended)
         if create:
             create_vault(self.store)
@@ -235,7 +240,7 @@ class Vault:
         """``record``, once older checkpoints lost their training state (if asked) and
         the objects only that state held are freed."""
         if self.training_state_last is not None and drop_training_except_last(
-            self.store, self.training_state_last
+            self.store, self.training_state_last, spare=self.spared
         ):
             # A run that keeps one resumable checkpoint expects its disk to stay at one
             # optimizer state, as a Trainer's save_total_limit does, not to grow until
@@ -502,6 +507,11 @@ class Vault:
             []
         """
         records = self.list()
+        spared = self.spared
+        if spared and (keep_last is not None or keep_every is not None or training_state_last):
+            # Applied again, as asked, once the mirror has them (Mirror.wait).
+            self._deferred = {"keep_last": keep_last, "keep_every": keep_every,
+                              "training_state_last": training_state_last}  # fmt: skip
         deleted: builtins.list[str] = []
         if keep_last is not None or keep_every is not None:
             keep: set[str] = set()
@@ -509,14 +519,42 @@ class Vault:
                 keep |= {r.name for r in records[-keep_last:]}
             if keep_every:
                 keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
-            deleted = [r.name for r in records if r.name not in keep]
+            deleted = [r.name for r in records if r.name not in keep and r.name not in spared]
             for name in deleted:
                 self.delete(name)
         if training_state_last is not None:
             if training_state_last < 0:
                 raise ValueError(f"{self.url}: training_state_last must be >= 0")
-            drop_training_except_last(self.store, training_state_last)
+            drop_training_except_last(self.store, training_state_last, spare=spared)
         return deleted
+
+    @property
+    def spared(self) -> frozenset[str]:
+        """Checkpoints retention leaves whole for now: a mirror has yet to push them."""
+        return frozenset(n for n, c in self._spared.items() if c > 0)
+
+    def _spare(self, name: str) -> None:
+        """Keep ``name`` whole (retention skips it) until :meth:`_unspare`; a mirror
+        calls this when it queues a checkpoint, so that it pushes what was committed."""
+        self._spared[name] += 1
+
+    def _unspare(self, names: Iterable[str]) -> None:
+        for name in names:
+            if self._spared[name] > 0:
+                self._spared[name] -= 1
+            if self._spared[name] <= 0:
+                del self._spared[name]
+
+    def _retain_deferred(self) -> None:
+        """Apply the last retention that spared checkpoints, now that none is spared."""
+        if self.spared:
+            return
+        asked, self._deferred = self._deferred, None
+        changed = asked is not None and bool(self.retain(**asked))
+        if self.training_state_last is not None:
+            changed |= bool(drop_training_except_last(self.store, self.training_state_last))
+        if changed or asked:
+            self.gc(pace=GC_PACE)
 
     def gc(self, *, pace: float | None = None) -> int:
         """Compact what is left to compact (:meth:`compact`), then delete objects no

@@ -144,7 +144,9 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             if self.mirror is not None:
                 self.mirror.after_save(name)  # pushed in the mirror's thread
             if self.training_state_last is not None:
-                drop_training_except_last(self.vault.store, self.training_state_last, _training)
+                drop_training_except_last(
+                    self.vault.store, self.training_state_last, _training, spare=self.vault.spared
+                )
                 self.vault.gc(pace=GC_PACE)  # the disk stops growing; see Vault.gc
         except Exception as e:
             if world_size() == 1:
@@ -203,6 +205,8 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             self.vault.wait(raise_errors=False)
             if self.mirror is not None:
                 self.mirror.wait()  # the last push (a failure was logged, never raised)
+                if self.training_state_last is not None:  # what waited for the mirror
+                    drop_training_except_last(self.vault.store, self.training_state_last, _training)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""
