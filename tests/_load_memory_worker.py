@@ -66,8 +66,9 @@ def main(what: str, framework: str, root: str) -> None:
     model = build(framework)
     if what == "save":
         fill(framework, model)
-        with Vault(root) as vault:  # compacted before the process exits
+        with Vault(root) as vault:
             vault.save(model)
+            vault.compact()  # the newest compressed, so the load measured decodes
         if framework == "keras":
             model.save_weights(f"{root}/keras.weights.h5")  # the oracle's own file
         print(json.dumps({"digest": digest(framework, model)}))

@@ -97,8 +97,20 @@ def test_the_newest_is_whole_and_older_checkpoints_are_deltas_pointing_back(
     expected = history(vault, 6)
     vault.wait()
     names = [r.name for r in vault.list()]
-    kinds = [[frame(tmp_path, digests(tmp_path, n)[f"t{i}"]) for n in names] for i in range(6)]
-    for per_tensor in kinds:
+
+    def kinds() -> list[list[Any]]:
+        return [[frame(tmp_path, digests(tmp_path, n)[f"t{i}"]) for n in names] for i in range(6)]
+
+    # The background compactor leaves the newest's new objects raw (a resume copies them)
+    # and its marker for later; what it shares with the one before (frozen) is compressed.
+    assert all(per_tensor[-1] is None for per_tensor in kinds())
+    assert compact_module.pending(vault.store) == ["000006"]
+    newest = frame(tmp_path, digests(tmp_path, "000006")["frozen"])
+    assert newest is not None and newest.base is None
+    loads_exactly(vault, expected)
+    vault.compact()  # settles: the newest compressed too
+    assert compact_module.pending(vault.store) == []
+    for per_tensor in kinds():
         # 1 -> 2 -> 3 (full, K = 2 deltas behind it), 4 -> 5 -> 6 (full): deltas on the
         # next checkpoint's object, never more than K behind a full one.
         assert [f.base is not None for f in per_tensor] == [True, True, False, True, True, False]
@@ -155,10 +167,11 @@ def test_saves_write_raw_and_log_shows_what_is_not_compacted(tmp_path: Path) -> 
 def test_wait_and_the_context_manager_wait_for_the_compactor(tmp_path: Path) -> None:
     with Vault(tmp_path) as vault:
         history(vault, 3, tensors=2)
-    assert compact_module.pending(vault.store) == []
+    assert compact_module.pending(vault.store) == ["000003"]  # the newest, left raw
     vault.save({"t0": torch.ones(1 << 14)})
     reports = vault.wait()
-    assert reports and "000004" in [n for r in reports for n in r.checkpoints]
+    assert reports and "000003" in [n for r in reports for n in r.checkpoints]
+    assert compact_module.pending(vault.store) == ["000004"]
     with pytest.raises(ValueError, match="compaction='soon'"):
         Vault(tmp_path, compaction="soon")
 

@@ -144,7 +144,7 @@ def test_objects_are_compressed_named_by_their_raw_bytes_and_export_plain(tmp_pa
     vault = Vault(tmp_path / "v")
     rec = vault.save(model, optimizer=opt)
     assert rec.written_bytes == rec.new_bytes  # a save writes raw bytes: least work
-    vault.wait()  # the compactor compresses them after the commit
+    vault.compact()  # settled: the newest's objects compressed too (wait leaves them raw)
     with vault.open("latest") as ckpt:
         for stored, digest in ckpt.objects.items():
             raw = ckpt.raw(stored)
@@ -380,7 +380,7 @@ def test_decoded_objects_outlive_the_checkpoint_that_staged_them(tmp_path: Path)
     model, _ = trained(0, width=512)  # 1 MiB weights: enough to decode into the mapping
     vault = Vault(tmp_path / "v")
     rec = vault.save(model)
-    vault.wait()
+    vault.compact()  # the newest compressed, so the load decodes
     assert any(f is not None for f in frames(tmp_path / "v", rec.name).values())
     with vault.open("latest") as ckpt:
         names = list(ckpt.stored)
@@ -400,7 +400,7 @@ def test_a_load_leaves_blosc2s_gil_switch_as_it_found_it(tmp_path: Path, before:
     model, _ = trained(0, width=256)
     vault = Vault(tmp_path / "v")
     vault.save(model)
-    vault.wait()
+    vault.compact()  # the newest compressed, so the load decodes
     assert any(f is not None for f in frames(tmp_path / "v", vault.resolve()).values())
     blosc2.set_releasegil(before)
     try:

@@ -152,6 +152,7 @@ def test_a_delta_save_stopped_before_any_store_operation_is_all_or_nothing(
     for step in range(3):
         model, opt = state_at(step)
         vault.save(model, name_of(step), optimizer=opt, metadata={"step": str(step)})
+    vault.wait()  # copied below: no compaction may be halfway through it
     model, opt = state_at(3)
 
     def attempt(k: int | None) -> tuple[Path, list[tuple[str, str]]]:

@@ -52,7 +52,7 @@ def vault(tmp_path: Path) -> Vault:
     v = Vault(tmp_path)
     v.save(One(values(0)))
     v.save(One(values(1)))
-    v.wait()
+    v.compact()  # settled: the newest full, not left raw
     assert objects(tmp_path, "000001")["w"].read_bytes()[11] == 2  # a difference delta
     return v
 
@@ -233,7 +233,7 @@ def test_any_damage_to_a_frame_loads_exactly_or_is_a_format_error(
     v = Vault(where)
     v.save(One(values(0)))
     v.save(One(values(1)))
-    v.wait()
+    v.compact()  # settled: the newest full, not left raw
     name = data.draw(st.sampled_from(["000002", "000001"]))
     path = objects(where, name)["w"]
     blob = bytearray(path.read_bytes())

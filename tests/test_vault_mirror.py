@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from _transfer_workers import check_loads, state, step, train  # noqa: E402
 from weightvault import Vault  # noqa: E402
+from weightvault._vault.compact import pending  # noqa: E402
 from weightvault._vault.mirror import Mirror  # noqa: E402
 
 
@@ -112,6 +113,8 @@ def test_the_trainer_callback_mirrors_every_checkpoint(tmp_path: Path) -> None:
     callback = VaultCallback(tmp_path / "local", mirror=tmp_path / "mirror")
     hf.trainer(m, tmp_path / "out", [callback], save_total_limit=1).train()
     assert [r.name for r in Vault(tmp_path / "local").list()] == ["checkpoint-6"]
+    # The end of training settles the local vault: the newest compressed, nothing to do.
+    assert pending(Vault(tmp_path / "local").store) == []
     remote = Vault(tmp_path / "mirror")
     assert [r.name for r in remote.list()] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert remote.verify().ok

@@ -28,8 +28,8 @@ def notes(checkpoints: list[CheckpointUsage]) -> list[tuple[str, str]]:
         )  # fmt: skip
     if any(not c.compacted for c in checkpoints):
         out.append(
-            (RAW, "not compacted yet: written raw, compressed (and its predecessor turned "
-             "into deltas on it) by the compactor; 'weightvault vault ROOT compact' runs it")
+            (RAW, "not compacted yet: written raw (the compactor leaves the newest so until "
+             "the next save, for a quick resume); 'weightvault vault ROOT compact' runs it")
         )  # fmt: skip
     if any(c.weights_only for c in checkpoints):
         out.append(

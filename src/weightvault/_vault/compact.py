@@ -4,7 +4,13 @@ A save writes raw objects and leaves a to-do marker, ``compact/<name>.todo``, be
 record (:func:`mark`). Compacting checkpoint N then does two things:
 
 1. **The newest loads whole.** Each object of N becomes a full compressed object (a
-   frame, when that saves at least 5%), or stays raw.
+   frame, when that saves at least 5%), or stays raw. The background compactor
+   (``settle=False``) leaves raw the objects that are new in the newest checkpoint, and
+   its marker in place: a resume, which reads the newest, then copies raw bytes instead
+   of decoding them, and the next save's compaction turns them into deltas (or full
+   compressed objects) anyway. Objects the newest shares with the checkpoint before it
+   (a frozen backbone) are compressed at once. :meth:`Vault.compact`, ``gc`` and
+   ``weightvault vault compact`` settle: they compress the newest too.
 2. **Deltas point back.** Each object X of the checkpoint before N (P) whose tensor (same
    name, dtype and shape) has another object Y in N becomes a delta on Y, when that is
    smaller than X in full. So a resume reads one object per tensor, and older
@@ -384,11 +390,18 @@ def _run_behind(
 
 
 def _compact_one(
-    work: _Work, records: _Records, index: int, make_full: bool, pause: Callable[[], None]
+    work: _Work,
+    records: _Records,
+    index: int,
+    make_full: bool,
+    pause: Callable[[], None],
+    *,
+    new_raw: bool = False,
 ) -> None:
     """Compact checkpoint ``records.names[index]`` (see the module docstring), tensor by
     tensor: its object made full, then the previous checkpoint's turned into a delta on
-    it while its verified raw bytes are still at hand."""
+    it while its verified raw bytes are still at hand. ``new_raw`` leaves raw the objects
+    the previous checkpoint does not hold."""
     store = work.store
     name = records.names[index]
     new = records.tensors(name)
@@ -401,6 +414,7 @@ def _compact_one(
     # objects are named by their own record, or were dropped (training state a retain
     # took away): a gc may free those, and they are left alone (see still_named).
     keep_whole = {d for d, *_ in new.values()}  # what the newer checkpoint reads stays whole
+    shared = {d for d, *_ in old.values()} & keep_whole
     intent = begin(store, keep_whole, gc_wait=3600.0)
     staged: dict[str, tuple[str, int, int]] = {}
     done: set[str] = set()
@@ -408,7 +422,7 @@ def _compact_one(
     try:
         for tensor, (digest, dtype, shape, nbytes) in new.items():
             itemsize = ITEMSIZE.get(dtype, 4)
-            if make_full and digest not in done:
+            if make_full and digest not in done and (not new_raw or digest in shared):
                 done.add(digest)
                 pause()
                 if _full(work, digest, nbytes, itemsize, f"{name}: {tensor}", staged):
@@ -516,6 +530,7 @@ def compact(
     *,
     pause: Callable[[], None] = lambda: None,
     stop: threading.Event | None = None,
+    settle: bool = True,
 ) -> CompactReport:
     """Compact every checkpoint left to the compactor, oldest first.
 
@@ -525,6 +540,9 @@ def compact(
         pause: Called before each object; blocks while a save or load of this process
             runs, so compaction yields to them.
         stop: Set to stop after the current object (the rest stays to do).
+        settle: Compress the newest checkpoint's new objects too. ``False`` (the
+            background compactor) leaves them raw, and the newest's marker in place, for
+            the next save's compaction or a settling one (see the module docstring).
 
     Returns:
         What was done; ``busy`` if another compactor holds the vault.
@@ -553,7 +571,13 @@ def compact(
                 make_full = not (
                     after and after[0] in todo and records.tensors(after[0]) is not None
                 )
-                _compact_one(work, records, index, make_full, _stopping(pause, stop, lock.beat))
+                newest = not after
+                _compact_one(
+                    work, records, index, make_full, _stopping(pause, stop, lock.beat),
+                    new_raw=newest and not settle,
+                )  # fmt: skip
+                if newest and not settle:
+                    continue  # the next save's compaction, or a settling one, finishes it
             store.delete(_todo_key(name))
             report.checkpoints.append(name)
         # Markers of checkpoints deleted meanwhile.

@@ -269,7 +269,8 @@ class Vault:
     # -- compaction --------------------------------------------------------------------
 
     def _compact_pass(self, pause: Callable[[], None], stop: Any) -> CompactReport:
-        return compact(self.store, self.storage, pause=pause, stop=stop)
+        # The newest's new objects stay raw for a quick resume (see compact.py).
+        return compact(self.store, self.storage, pause=pause, stop=stop, settle=False)
 
     def compact(self) -> CompactReport:
         """Compact now, in this thread, what saves left raw; return what was done.

@@ -8,10 +8,27 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
 from .._vault.mirror import Mirror
 from .._vault.vault import GC_PACE, Vault, VaultLike
+
+_log = logging.getLogger("weightvault")
+
+
+def settle(vault: Vault) -> None:
+    """End a run's compaction: the background compactor's work done, then the newest
+    checkpoint compressed too (the compactor leaves it raw while training may resume
+    from it). A failure is logged, never raised: the run's checkpoints are committed,
+    and what is left is done by a later compaction."""
+    vault.wait(raise_errors=False)
+    try:
+        vault.compact()
+    except Exception as error:  # training has ended well: its saves stand
+        _log.warning("%s: compaction at the end of training failed (%s); a later "
+                     "`weightvault vault %s compact` finishes it", vault.store.url, error,
+                     vault.store.url)  # fmt: skip
 
 
 def not_installed(extra: str, needs: str) -> BackendNotInstalled:

@@ -25,7 +25,7 @@ from typing import Any
 
 from .._base.errors import TrainingStateError
 from .._vault.vault import VaultLike, as_vault
-from ._common import mirror_for, trim
+from ._common import mirror_for, settle, trim
 
 try:
     import keras
@@ -133,7 +133,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         # The run's disk ends compact and trimmed: the compactor's work on this run's
         # saves done (a failure there was logged; it is done later), then what it held
         # while the last retention ran is freed.
-        self.vault.wait(raise_errors=False)
+        settle(self.vault)
         trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
         if self.mirror is not None:
             self.mirror.wait()  # the last push (a failure was logged, never raised)

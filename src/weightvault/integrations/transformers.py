@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import discard, mirror_for, not_installed, trim
+from ._common import discard, mirror_for, not_installed, settle, trim
 
 try:
     import torch
@@ -190,7 +190,7 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         # The run's disk ends compact and trimmed: the compactor's work on this process's
         # saves done before the Trainer returns (a failure there was logged; it is done
         # later), then what it held while the last retention ran is freed.
-        self.vault.wait(raise_errors=False)
+        settle(self.vault)
         self._retain_agreed(args, "at the end of training")
         if self.mirror is not None:
             self.mirror.wait()  # the last push (a failure was logged, never raised)
