@@ -238,7 +238,7 @@ class OpenObject:
         link's blocks line up with it and with whole items, else the whole object."""
         frames = [f for _, _, f in self.links if f is not None]
         if not frames:
-            return min(self.size, _RAW_WINDOW)
+            return max(1, min(self.size, _RAW_WINDOW))  # an empty object: one empty window
         block = frames[0].block_size
         if block % self.itemsize or any(f.block_size != block for f in frames):
             return self.size

@@ -20,7 +20,7 @@ import sys
 from pathlib import PurePath
 from typing import Any
 
-from ._common import discard, mirror_for, not_installed
+from ._common import discard, mirror_for, not_installed, settle
 
 try:
     import torch
@@ -111,6 +111,9 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
             )
         self.vault = as_vault(vault)
         self.mirror = mirror_for(self.vault, mirror)
+        #: Checkpoints Lightning removed (``save_top_k``) that the mirror has yet to push:
+        #: deleted once it has, so the mirror still gets every one.
+        self._removed: set[str] = set()
         if training_state_last is None:
             training_state_last = self.vault.training_state_last
         self.training_state_last = training_state_last
@@ -139,10 +142,12 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         doc = _codec.encode(checkpoint, "checkpoint", tensor=_collect(tensors), hint=_HINT)
         text = json.dumps(doc, allow_nan=False)
         try:
+            self._removed.discard(name)  # saved anew: not the one Lightning removed
             discard(self.vault, name)
             self.vault.save(tensors, name, metadata={STATE_KEY: text, "path": str(path)})
             if self.mirror is not None:
                 self.mirror.after_save(name)  # pushed in the mirror's thread
+            self._remove_pushed()
             if self.training_state_last is not None:
                 drop_training_except_last(
                     self.vault.store, self.training_state_last, _training, spare=self.vault.spared
@@ -202,15 +207,28 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if sys.exc_info()[1] is None:
             # A run that ends well ends compact: the compactor's work on this process's
             # saves is done first (a failure there was logged; it is done later).
-            self.vault.wait(raise_errors=False)
+            settle(self.vault)
             if self.mirror is not None:
                 self.mirror.wait()  # the last push (a failure was logged, never raised)
+                self._remove_pushed()
                 if self.training_state_last is not None:  # what waited for the mirror
                     drop_training_except_last(self.vault.store, self.training_state_last, _training)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``)."""
-        discard(self.vault, checkpoint_name(path))
+        """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``).
+
+        With a mirror, a checkpoint it has yet to push is deleted once it has (at a later
+        save, or when training ends): local retention never keeps one from the mirror.
+        """
+        self._removed.add(checkpoint_name(path))
+        self._remove_pushed()
+
+    def _remove_pushed(self) -> None:
+        """Delete the removed checkpoints that no push is waiting for any more."""
+        waiting = self.vault.spared
+        for name in sorted(self._removed - waiting):
+            discard(self.vault, name)
+        self._removed &= waiting
 
 
 class _WeightsOnly(dict):  # type: ignore[type-arg]
