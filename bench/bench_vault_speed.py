@@ -29,6 +29,11 @@ vault save against a full ``save_model`` + fsync. Sizes on disk at the end.
     PYTHONPATH=src .venv/bin/python bench/bench_vault_speed.py gpt2 --rounds 5
     PYTHONPATH=src .venv/bin/python bench/bench_vault_speed.py lm --dir /tmp/wv-lm --rounds 7
 
+``--chains 0,1,2,4,8`` measures instead what ``delta_chain`` (K) trades: one vault per K
+fed the same 10 checkpoints (each compacted before the next save), then a resume of every
+checkpoint, the plain files' newest resume alternating with them; it prints each K's
+oldest and slowest resume against the plain files' and its disk against the folders'.
+
 Everything is written under one temporary folder, deleted at the end.
 """
 
@@ -175,6 +180,70 @@ def run(states: Iterator[tuple[Any, Any]], scratch: Path, rounds: int) -> dict[s
     return out
 
 
+def chains(
+    states: Iterator[tuple[Any, Any]], scratch: Path, rounds: int, ks: list[int]
+) -> dict[str, Any]:
+    """What ``delta_chain`` costs a resume: every checkpoint of one vault per K, timed."""
+    vaults = {k: Vault(scratch / f"vault-k{k}", delta_chain=k) for k in ks}
+    lr: set[float] = set()
+    model = opt = None
+    for n, (model, opt) in enumerate(states):
+        lr |= {g["lr"] for g in opt.param_groups}
+        save_plain_files(scratch / f"files-{n:02d}", model, opt)
+        for vault in vaults.values():
+            vault.save(model, optimizer=opt)
+            vault.wait()  # compacted before the next save, as an idle loop would have it
+    assert model is not None and opt is not None
+    files = sorted(scratch.glob("files-*"))
+    names = [r.name for r in vaults[ks[0]].list()]
+    contenders: dict[str, Callable[[], Any]] = {
+        "files newest": lambda: _files_load(files[-1], model, opt)
+    }
+    for k, vault in vaults.items():
+        for name in names:
+            contenders[f"K={k} {name}"] = lambda v=vault, n=name: v.load(model, n, optimizer=opt)
+    times: dict[str, list[float]] = {n: [] for n in contenders}
+    order = list(contenders)
+    for r in range(rounds + 1):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            quiesce()
+            t0 = time.perf_counter()
+            contenders[name]()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    base = med(times["files newest"])
+    folders = sum(_disk(f) for f in files)
+    out: dict[str, Any] = {"optimizer lr": sorted(lr), "files newest s": base, "K": {}}
+    for k, vault in vaults.items():
+        each = {n: med(times[f"K={k} {n}"]) for n in names}
+        slowest = max(each, key=lambda n: each[n])
+        out["K"][k] = {
+            "oldest s": each[names[0]],
+            "newest s": each[names[-1]],
+            "slowest": slowest,
+            "slowest s": each[slowest],
+            "disk / folders": vault.disk_bytes() / folders,
+        }
+    return out
+
+
+def report_chains(out: dict[str, Any]) -> None:
+    base = out["files newest s"]
+    rows = [
+        [
+            str(k),
+            f"{v['newest s'] * 1000:.0f} ({v['newest s'] / base:.2f}x)",
+            f"{v['oldest s'] * 1000:.0f} ({v['oldest s'] / base:.2f}x)",
+            f"{v['slowest']}: {v['slowest s'] * 1000:.0f} ({v['slowest s'] / base:.2f}x)",
+            f"{v['disk / folders']:.3f}x",
+        ]
+        for k, v in out["K"].items()
+    ]
+    heads = ["K", "newest ms", "oldest ms", "slowest ms", "disk vs folders"]
+    print(f"plain files, newest resume: {base * 1000:.0f} ms; optimizer lr {out['optimizer lr']}")
+    print(table(rows, heads))
+
+
 def frozen(scratch: Path, rounds: int) -> dict[str, Any]:
     """Incremental saves of a frozen-backbone fine-tune against a full save_model."""
     from safetensors.torch import save_model
@@ -230,22 +299,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="training steps between checkpoints")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--tiny", action="store_true", help="a 1 x 64 GPT-2: checks the script")
+    ap.add_argument("--chains", help="measure these delta_chain values instead, e.g. 0,1,2,8")
     args = ap.parse_args()
     if args.tiny:
         SHAPE.update(n_layer=1, n_embd=64, n_head=2, vocab_size=256)
     scratch = Path(tempfile.mkdtemp(prefix="wv-bench-speed-"))
+    if args.run == "lm" and args.dir is None:
+        ap.error("lm needs --dir (bench_compress.py train --dir DIR makes it)")
     try:
-        if args.run == "gpt2":
+        if args.chains:
+            states = gpt2_states(args.steps) if args.run == "gpt2" else lm_states(args.dir)
+            ks = [int(k) for k in args.chains.split(",")]
+            out = chains(states, scratch, args.rounds, ks)
+        elif args.run == "gpt2":
             out = run(gpt2_states(args.steps), scratch, args.rounds)
             out["frozen"] = frozen(scratch, args.rounds)
         else:
-            if args.dir is None:
-                ap.error("lm needs --dir (bench_compress.py train --dir DIR makes it)")
             out = run(lm_states(args.dir), scratch, args.rounds)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out["machine"] = machine()
-    report(out)
+    if args.chains:
+        report_chains(out)
+    else:
+        report(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 
