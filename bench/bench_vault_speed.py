@@ -113,6 +113,21 @@ def _disk(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _alternate(contenders: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Each contender's times over ``rounds`` rounds in an order that rotates, after one
+    warm-up round."""
+    times: dict[str, list[float]] = {n: [] for n in contenders}
+    order = list(contenders)
+    for r in range(rounds + 1):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            quiesce()
+            t0 = time.perf_counter()
+            contenders[name]()
+            if r:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def run(states: Iterator[tuple[Any, Any]], scratch: Path, rounds: int) -> dict[str, Any]:
     vaults = {
         "vault": Vault(scratch / "vault"),
@@ -163,15 +178,7 @@ def run(states: Iterator[tuple[Any, Any]], scratch: Path, rounds: int) -> dict[s
         ),
         "files oldest": lambda: _files_load(files[0], model, opt),
     }
-    loads: dict[str, list[float]] = {n: [] for n in contenders}
-    order = list(contenders)
-    for r in range(rounds + 1):
-        for name in order[r % len(order) :] + order[: r % len(order)]:
-            quiesce()
-            t0 = time.perf_counter()
-            contenders[name]()
-            if r:  # the first round warms up
-                loads[name].append(time.perf_counter() - t0)
+    loads = _alternate(contenders, rounds)
     out["load"] = {n: {"median": med(ts), "spread": spread(ts)} for n, ts in loads.items()}
     out["disk"] = {
         "files": sum(_disk(f) for f in files),
@@ -202,15 +209,7 @@ def chains(
     for k, vault in vaults.items():
         for name in names:
             contenders[f"K={k} {name}"] = lambda v=vault, n=name: v.load(model, n, optimizer=opt)
-    times: dict[str, list[float]] = {n: [] for n in contenders}
-    order = list(contenders)
-    for r in range(rounds + 1):
-        for name in order[r % len(order) :] + order[: r % len(order)]:
-            quiesce()
-            t0 = time.perf_counter()
-            contenders[name]()
-            if r:
-                times[name].append(time.perf_counter() - t0)
+    times = _alternate(contenders, rounds)
     base = med(times["files newest"])
     folders = sum(_disk(f) for f in files)
     out: dict[str, Any] = {"optimizer lr": sorted(lr), "files newest s": base, "K": {}}
