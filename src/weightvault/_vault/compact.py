@@ -571,12 +571,12 @@ def compact(
                 make_full = not (
                     after and after[0] in todo and records.tensors(after[0]) is not None
                 )
-                newest = not after
+                leave_raw = not after and not settle  # the newest, for a quick resume
                 _compact_one(
                     work, records, index, make_full, _stopping(pause, stop, lock.beat),
-                    new_raw=newest and not settle,
+                    new_raw=leave_raw,
                 )  # fmt: skip
-                if newest and not settle:
+                if leave_raw:
                     continue  # the next save's compaction, or a settling one, finishes it
             store.delete(_todo_key(name))
             report.checkpoints.append(name)
