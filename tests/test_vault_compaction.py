@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -372,3 +373,19 @@ def test_a_forward_delta_vault_of_issue_20_loads_bitwise_and_compacts(tmp_path: 
     assert vault.gc() >= 0
     _fixture_check(vault)
     assert vault.verify().ok
+
+
+def test_the_end_of_training_settles_quietly_and_a_run_that_saved_nothing_stays_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from weightvault.integrations._common import settle
+
+    with caplog.at_level(logging.WARNING, logger="weightvault"):
+        settle(Vault(tmp_path / "never"))  # a run whose loop never saved
+        vault = Vault(tmp_path / "run")
+        history(vault, 2, tensors=1)
+        settle(vault)
+    assert not (tmp_path / "never").exists()
+    assert compact_module.pending(vault.store) == []  # the newest compressed too
+    assert frame(tmp_path / "run", digests(tmp_path / "run", "000002")["t0"]) is not None
+    assert [r.getMessage() for r in caplog.records] == []

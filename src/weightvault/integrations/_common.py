@@ -22,9 +22,11 @@ def settle(vault: Vault) -> None:
     checkpoint compressed too (the compactor leaves it raw while training may resume
     from it). A failure is logged, never raised: the run's checkpoints are committed,
     and what is left is done by a later compaction."""
-    vault.wait(raise_errors=False)
+    vault.wait(raise_errors=False)  # raises what a background save raised, as before
     try:
         vault.compact()
+    except VaultNotFoundError:
+        pass  # the run saved nothing: there is nothing to compact
     except Exception as error:  # training has ended well: its saves stand
         _log.warning("%s: compaction at the end of training failed (%s); a later "
                      "`weightvault vault %s compact` finishes it", vault.store.url, error,
