@@ -20,3 +20,19 @@ else:
     settings.register_profile("ci", derandomize=True, print_blob=True)
     if os.environ.get("CI"):
         settings.load_profile("ci")
+
+
+import pytest
+
+
+@pytest.fixture
+def loose_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves in this process write every object as a file of its own, as before packs.
+
+    For tests about loose objects' own mechanics (damage to one object file, gc's trash,
+    fsyncs per file), which poke ``objects/`` by path; packs have their own tests in
+    tests/test_vault_packs.py.
+    """
+    from weightvault._vault import pack
+
+    monkeypatch.setattr(pack, "PACK_OBJECT", 0)

@@ -34,6 +34,9 @@ from test_vault_crash import worker_env  # noqa: E402
 from weightvault import Vault  # noqa: E402
 from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header  # noqa: E402
 
+# These tests poke objects/ by path: packs have their own (test_vault_packs.py).
+pytestmark = pytest.mark.usefixtures("loose_saves")
+
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "delta_vault"
 WORKERS = str(HERE / "_compaction_workers.py")

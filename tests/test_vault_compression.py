@@ -28,6 +28,9 @@ from weightvault import TrainingStateError, Vault  # noqa: E402
 from weightvault._vault.delta import Encoder  # noqa: E402
 from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header  # noqa: E402
 
+# These tests poke objects/ by path: packs have their own (test_vault_packs.py).
+pytestmark = pytest.mark.usefixtures("loose_saves")
+
 FIXTURE = Path(__file__).with_name("fixtures") / "legacy_vault"
 
 

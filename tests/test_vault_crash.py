@@ -28,6 +28,9 @@ import weightvault._vault.gc as gc_module  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import Vault  # noqa: E402
 
+# These tests poke objects/ by path: packs have their own (test_vault_packs.py).
+pytestmark = pytest.mark.usefixtures("loose_saves")
+
 WORKERS = str(Path(__file__).with_name("_vault_workers.py"))
 WIDTH = 512  # backbone 2 MiB (shared), head 1 MiB per checkpoint
 

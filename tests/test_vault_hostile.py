@@ -30,6 +30,9 @@ from weightvault._cli.app import main  # noqa: E402
 from weightvault._vault import gc as _gc  # noqa: E402
 from weightvault._vault.store import check_key  # noqa: E402
 
+# These tests poke objects/ by path: packs have their own (test_vault_packs.py).
+pytestmark = pytest.mark.usefixtures("loose_saves")
+
 WORKERS = str(Path(__file__).with_name("_vault_workers.py"))
 
 

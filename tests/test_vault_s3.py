@@ -29,6 +29,9 @@ from weightvault import (  # noqa: E402
     WeightvaultError,
 )
 
+# These tests poke objects/ by path: packs have their own (test_vault_packs.py).
+pytestmark = pytest.mark.usefixtures("loose_saves")
+
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
 

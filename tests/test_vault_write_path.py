@@ -26,6 +26,9 @@ from weightvault._vault.codec import CODECS  # noqa: E402
 from weightvault._vault.delta import delta_wins  # noqa: E402
 from weightvault._vault.store import LocalStore  # noqa: E402
 
+# These tests poke objects/ by path: packs have their own (test_vault_packs.py).
+pytestmark = pytest.mark.usefixtures("loose_saves")
+
 
 def model(n: int = 24, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)

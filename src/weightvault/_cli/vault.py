@@ -176,7 +176,9 @@ def cmd_compact(args: argparse.Namespace, out: TextIO) -> int:
         out.write(
             f"compacted {n} checkpoint{'s' if n != 1 else ''}: {full} object"
             f"{'s' if full != 1 else ''} compressed, {report.deltas} turned into deltas; "
-            f"{human(report.bytes_before)} on disk before, {human(report.bytes_after)} after\n"
+            f"{human(report.bytes_before)} on disk before, {human(report.bytes_after)} after"
+            + (f"; {report.unpacked} taken out of packs" if report.unpacked else "")
+            + "\n"
         )
     return EXIT_OK if not report.damaged else EXIT_FAILED
 

@@ -36,11 +36,13 @@ from typing import Any, TypeVar
 
 from .._base.errors import CheckpointExistsError
 from .._base.pools import LazyPool
+from . import pack as _pack
 from .codec import CODECS, DEFAULT
 from .delta import Encoder, stored_depth
 from .gc import wait_for_gc
-from .marker import create_vault
+from .marker import create_vault, upgrade_vault
 from .objects import object_key
+from .pack import pack_groups, pack_parts, pack_table
 from .records import next_name, record_key
 from .store import Store
 
@@ -123,6 +125,8 @@ def store_missing(
     encoder: Encoder | None = None,
     writing: Callable[[Sequence[str]], object] | None = None,
     written: Callable[[str], object] | None = None,
+    pack: bool = False,
+    packs: list[str] | None = None,
 ) -> dict[str, int]:
     """Step 3: write each object the vault lacks, durably; return ``{digest: file bytes}``
     of those written (a frame's compressed size, see :mod:`.delta`).
@@ -141,14 +145,30 @@ def store_missing(
         writing: Called once with the digests about to be written (for progress).
         written: Called with each digest once it is encoded and staged, on the calling
             thread (for progress).
+        pack: Write the objects under :data:`~.pack.PACK_OBJECT` bytes raw into pack
+            files (:mod:`.pack`), when there are two or more: one file created instead
+            of one each. Only for objects the compactor will take out again.
+        packs: Where to add the file name of each pack written (the record names them,
+            so that the compactor knows whose they are).
     """
     pool = pool or workers()
     encoder = encoder or Encoder(CODECS[DEFAULT])
     digests = list(objects)
-    sizes = each(pool, lambda d: stored_depth(store, d, objects[d][0]), digests)
+    # One listing of packs/ after the intent is visible; each lookup then trusts it.
+    pack_table(store).refresh(store)
+    sizes = each(
+        pool, lambda d: stored_depth(store, d, objects[d][0], refresh_packs=False), digests
+    )
     missing = [d for d, depth in zip(digests, sizes, strict=True) if depth is None]
     if writing is not None:
         writing(missing)
+    packed = [d for d in missing if objects[d][0] < _pack.PACK_OBJECT] if pack else []
+    if len(packed) < 2:
+        packed = []
+    chosen = set(packed)
+    missing = [d for d in missing if d not in chosen] + packed
+    if packed:
+        upgrade_vault(store)
 
     staged: dict[str, str] = {}
     lock = threading.Lock()
@@ -163,8 +183,24 @@ def store_missing(
             staged[object_key(digest)] = token
         return sum(memoryview(p).nbytes for p in parts)
 
+    def take(digest: str) -> memoryview | bytes:
+        data = objects[digest][1]()
+        if wrote is not None:
+            wrote(digest, data)
+        return data
+
     try:
-        sizes_written = each(pool, put, missing, written)
+        sizes_written = each(pool, put, missing[: len(missing) - len(packed)], written)
+        for group in pack_groups([(d, objects[d][0]) for d in packed]):
+            parts = each(pool, take, group)
+            key, file = pack_parts(list(zip(group, parts, strict=True)))
+            staged[key] = store.stage(key, file)
+            if packs is not None:
+                packs.append(key.rsplit("/", 1)[-1])
+            for d in group:
+                sizes_written.append(objects[d][0])
+                if written is not None:
+                    written(d)
         # Every object durable and in place at once: one journal commit for the whole
         # save, where an fsync per object cost one each (see _base.atomic.batch_sync_ok).
         store.publish(staged, sum(sizes_written))

@@ -63,6 +63,7 @@ from .commit import begin, release
 from .delta import Parts, Storage, delta_wins, encode_delta, encode_full, size_of
 from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
 from .objects import checksum, content_hash, object_key, read_object
+from .pack import find, pack_key, pack_table
 from .records import check_name, parse_record, read_doc, record_key, record_names
 from .store import Store
 
@@ -72,6 +73,7 @@ __all__ = [
     "CompactLock",
     "CompactReport",
     "compact",
+    "held_packs",
     "mark",
     "pending",
 ]
@@ -116,6 +118,8 @@ class CompactReport:
         bytes_before: Their files' bytes before.
         bytes_after: Their files' bytes after.
         damaged: One line per damaged object found (left as it is).
+        unpacked: Objects taken out of pack files raw (:mod:`.pack`).
+        packs_deleted: Pack files deleted once every object in them was loose.
         busy: Another process held the vault's compaction lock; nothing was done.
         seconds: Wall time.
     """
@@ -126,6 +130,8 @@ class CompactReport:
     bytes_before: int = 0
     bytes_after: int = 0
     damaged: list[str] = field(default_factory=list)
+    unpacked: int = 0
+    packs_deleted: int = 0
     busy: bool = False
     seconds: float = 0.0
 
@@ -271,7 +277,8 @@ def _head(store: Store, digest: str) -> tuple[int, Any] | None:
     key = object_key(digest)
     size = store.size(key)
     if size is None:
-        return None
+        packed = find(store, digest)
+        return None if packed is None else (packed.size, None)  # a pack holds raw bytes
     try:
         head = store.get_range(key, 0, HEADER_SIZE)
     except FileNotFoundError:
@@ -555,7 +562,9 @@ def compact(
         return report
     try:
         todo = set(pending(store))
-        if not todo:
+        table = pack_table(store)
+        table.refresh(store)
+        if not todo and not table.packs():
             return report
         records = _Records(store)
         work = _Work(store, storage, report)
@@ -583,12 +592,74 @@ def compact(
         # Markers of checkpoints deleted meanwhile.
         for name in todo - set(records.names):
             store.delete(_todo_key(name))
+        _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
     except _Stopped:
         pass
     finally:
         lock.release()
         report.seconds = time.monotonic() - start
     return report
+
+
+def _take_out(work: _Work, records: _Records, held_by: set[str], pause: Callable[[], None]) -> None:
+    """Take the objects of compacted checkpoints out of their packs, then delete every
+    pack whose objects are all loose (:mod:`.pack`).
+
+    The packs of checkpoints still to compact (``held_by``: the newest, left raw for a
+    quick resume) stay as they are; objects no record names (training state a retain
+    dropped) stay in their pack, which gc frees. Each object taken out is checked
+    against its name first and written raw: the compaction before this decided it stays
+    raw.
+    """
+    store = work.store
+    table = pack_table(store)
+    table.refresh(store)
+    packs = table.packs()
+    if not packs:
+        return
+    held = held_packs(store, held_by)
+    named: dict[str, tuple[str, str, int]] = {}
+    for name in records.names:
+        for tensor, (digest, _, _, nbytes) in (records.tensors(name) or {}).items():
+            named.setdefault(digest, (name, tensor, nbytes))
+    packs = {k: v for k, v in packs.items() if k not in held}
+    for pack, index in sorted(packs.items()):
+        staged: dict[str, str] = {}
+        try:
+            for digest, where in index.items():
+                if digest not in named or store.exists(object_key(digest)):
+                    continue
+                ckpt, tensor, nbytes = named[digest]
+                if where.size != nbytes:
+                    continue  # not the object that record names: the load reports it
+                pause()
+                try:
+                    raw = work.raw(digest, nbytes, f"{ckpt}: {tensor}")
+                except _Damaged:
+                    continue
+                staged[object_key(digest)] = store.stage(object_key(digest), [raw])
+                work.report.unpacked += 1
+            store.publish(staged, sum(index[k.rsplit("/", 1)[-1]].size for k in staged))
+        except BaseException:
+            store.discard(staged)
+            raise
+        if all(store.exists(object_key(d)) for d in index):
+            # Every object is loose now, and loose objects win every lookup: a reader
+            # that found one in this pack and then cannot open it looks again.
+            store.delete(pack_key(pack))
+            table.forget(pack)
+            work.report.packs_deleted += 1
+
+
+def held_packs(store: Store, names: set[str]) -> set[str]:
+    """The packs the saves of checkpoints ``names`` wrote (their records name them)."""
+    out: set[str] = set()
+    for name in names:
+        with contextlib.suppress(FormatError, CheckpointNotFoundError):
+            listed = read_doc(store, name).get("packs")
+            if isinstance(listed, list):
+                out |= {p for p in listed if isinstance(p, str)}
+    return out
 
 
 class _Stopped(Exception):

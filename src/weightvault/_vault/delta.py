@@ -61,19 +61,28 @@ class Storage:
     max_chain: int = DELTA_CHAIN
 
 
-def stored_depth(store: Store, digest: str, nbytes: int) -> int | None:
-    """The frame depth of object ``digest`` in ``objects/`` (0 for a full or raw one), or
-    ``None`` if it is not there as an object of ``nbytes`` raw bytes.
+def stored_depth(
+    store: Store, digest: str, nbytes: int, *, refresh_packs: bool = True
+) -> int | None:
+    """The frame depth of object ``digest`` in ``objects/`` or a pack under ``packs/`` (0
+    for a full or raw one), or ``None`` if it is not there as an object of ``nbytes`` raw
+    bytes. ``refresh_packs=False`` trusts a listing of ``packs/`` the caller made.
 
-    Only ``objects/`` is looked at, never a gc's trash: like :func:`~.commit.store_missing`,
-    a writer may rely only on what it sees there after its intent is visible.
+    Only ``objects/`` and ``packs/`` are looked at, never a gc's trash: like
+    :func:`~.commit.store_missing`, a writer may rely only on what it sees there after its
+    intent is visible.
     """
     from .frame import parse_frame_header
+    from .pack import find, pack_key
 
     key = object_key(digest)
     size = store.size(key)
     if size is None:
-        return None
+        packed = find(store, digest, refresh=refresh_packs)
+        if packed is None or packed.size != nbytes:
+            return None
+        # The table may remember a pack a gc freed since: only one seen there now counts.
+        return 0 if store.size(pack_key(packed.pack)) is not None else None
     if size == nbytes:
         return 0
     try:

@@ -36,7 +36,8 @@ from collections.abc import Callable
 
 from .._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
 from .checkpoint import open_record
-from .objects import DIGEST, is_temp, object_key, with_bases
+from .objects import DIGEST, content_hash, is_temp, object_key, read_object, with_bases
+from .pack import PACKS, Packed, is_pack, pack_key, pack_table, read_index
 from .records import read_doc, record_names
 from .store import Blob, Store
 
@@ -181,9 +182,15 @@ def _untrash(store: Store, whose: Callable[[str], bool], beat: Beat = lambda: No
     restored = 0
     for blob in store.list("trash"):
         parts = blob.key.split("/")
-        if len(parts) != 3 or is_temp(blob.key) or not DIGEST.fullmatch(parts[2]):
+        if len(parts) != 3 or is_temp(blob.key):
             continue
-        if whose(parts[1]) and store.put_back(blob.key, object_key(parts[2])):
+        if is_pack(parts[2]):
+            home = pack_key(parts[2])
+        elif DIGEST.fullmatch(parts[2]):
+            home = object_key(parts[2])
+        else:
+            continue
+        if whose(parts[1]) and store.put_back(blob.key, home):
             restored += 1
             beat()
     return restored
@@ -288,8 +295,90 @@ def _remove_dead_temps(store: Store, now: float) -> int:
     for blob in store.list(""):
         if is_temp(blob.key) and now - blob.mtime > STALE_SECONDS:
             store.delete(blob.key)
-            if blob.key.startswith("objects/"):
+            if blob.key.startswith(("objects/", f"{PACKS}/")):
                 freed += blob.size
+    return freed
+
+
+#: A pack moved to a gc's trash: its listing, its file name and its index.
+_MovedPack = tuple[Blob, str, dict[str, Packed]]
+
+
+def _held_by_compactor(store: Store) -> set[str]:
+    """The packs of checkpoints the compactor has not finished: it takes them apart
+    itself (a gc must not write their objects loose first, only to see them rewritten)."""
+    from .compact import held_packs, pending
+
+    return held_packs(store, set(pending(store)))
+
+
+def _copy_out(store: Store, index: dict[str, Packed], digests: list[str]) -> None:
+    """Write ``digests`` loose, raw, from their pack, each checked against its name."""
+    staged: dict[str, str] = {}
+    try:
+        for digest in digests:
+            raw = read_object(store, digest, index[digest].size)
+            if content_hash(raw) != digest:
+                log.warning(
+                    "%s: object %s in pack %s does not match its name; left in its pack",
+                    store.url, digest[:12], index[digest].pack,
+                )  # fmt: skip
+                continue
+            staged[object_key(digest)] = store.stage(object_key(digest), raw)
+        store.publish(staged, sum(index[d].size for d in digests))
+    except BaseException:
+        store.discard(staged)
+        raise
+
+
+def _move_packs(store: Store, gc_id: str, live: set[str], beat: Beat) -> list[_MovedPack]:
+    """Move to the trash every pack that holds no live object without a loose copy.
+
+    A pack that holds some, and more dead bytes than live ones, is repacked first: its
+    live objects written loose (packs are never rewritten in place). One whose stranded
+    objects the compactor will take out is left to it; a damaged pack is left as found
+    (verify reports the tensors it held).
+    """
+    moved: list[_MovedPack] = []
+    held: set[str] | None = None
+    for blob in store.list(PACKS):
+        leaf = blob.key.rsplit("/", 1)[-1]
+        if not is_pack(leaf):
+            continue
+        try:
+            index = read_index(store, blob.key)
+        except (FileNotFoundError, FormatError):
+            continue
+        stranded = [d for d in index if d in live and not store.exists(object_key(d))]
+        if stranded:
+            held = _held_by_compactor(store) if held is None else held
+            dead = sum(p.size for d, p in index.items() if d not in live)
+            if leaf in held or 2 * dead < blob.size:
+                continue
+            _copy_out(store, index, stranded)
+            if not all(store.exists(object_key(d)) for d in stranded):
+                continue
+        if store.rename(blob.key, f"trash/{gc_id}/{leaf}"):
+            moved.append((blob, leaf, index))
+            beat()
+    return moved
+
+
+def _free_packs(
+    store: Store, gc_id: str, moved: list[_MovedPack], live: set[str], beat: Beat
+) -> int:
+    """Put back each moved pack that holds an object now live and not loose; delete the
+    rest; return the bytes freed."""
+    freed = 0
+    while moved:
+        blob, leaf, index = moved.pop()
+        if any(d in live and not store.exists(object_key(d)) for d in index):
+            store.put_back(f"trash/{gc_id}/{leaf}", blob.key)
+        else:
+            store.delete(f"trash/{gc_id}/{leaf}")
+            pack_table(store).forget(leaf)
+            freed += blob.size
+        beat()
     return freed
 
 
@@ -304,6 +393,7 @@ def collect(store: Store) -> int:
     marker = f"gc/{gc_id}.json"
     beat = _Heartbeat(store, marker)
     moved: list[tuple[Blob, str]] = []
+    packs: list[_MovedPack] = []
     try:
         running = {
             b.key.rsplit("/", 1)[-1].removesuffix(".json")
@@ -321,13 +411,20 @@ def collect(store: Store) -> int:
             if digest not in live and store.rename(blob.key, f"trash/{gc_id}/{digest}"):
                 moved.append((blob, digest))
                 beat()
+        packs = _move_packs(store, gc_id, live, beat)
         # The decision: anything named now, after the move, goes back. A save that saw
         # one of these objects before it moved registered its intent before that, so it
         # (or the checkpoint it committed) is visible here.
         live = _live(store, beat, expire_before=None)
-        return _free_trash(store, gc_id, moved, live, beat) + _remove_dead_temps(store, now)
+        freed = _free_trash(store, gc_id, moved, live, beat)
+        # After the loose objects: a pack goes back only if one of its live objects has
+        # no loose copy once those are back.
+        freed += _free_packs(store, gc_id, packs, live, beat)
+        return freed + _remove_dead_temps(store, now)
     finally:
         # On any error, whatever is still in the trash goes back before gc stops.
         for blob, digest in moved:
             store.put_back(f"trash/{gc_id}/{digest}", blob.key)
+        for blob, leaf, _ in packs:
+            store.put_back(f"trash/{gc_id}/{leaf}", blob.key)
         store.delete(marker)

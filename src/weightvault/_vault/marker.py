@@ -14,18 +14,31 @@ from __future__ import annotations
 import json
 
 from .._base.errors import FormatError, VaultNotFoundError
-from .records import VERSION
 from .store import Store
 
-__all__ = ["FORMAT", "MARKER", "create_vault", "holds_vault", "require_vault"]
+__all__ = [
+    "FORMAT",
+    "LAYOUT",
+    "MARKER",
+    "create_vault",
+    "holds_vault",
+    "layout_of",
+    "require_vault",
+    "upgrade_vault",
+]
 
 FORMAT = "weightvault-vault"
 MARKER = "vault.json"
+#: The layout version ``vault.json`` records: 1, objects only under ``objects/``; 2, a
+#: save's small objects may sit in a pack under ``packs/`` (:mod:`.pack`) until the
+#: compactor takes them out. Both are read; a vault becomes 2 when a save writes a pack.
+LAYOUT = 2
+_READS = (1, 2)
 
 
 def _not_a_vault(store: Store, why: str) -> FormatError:
     return FormatError(
-        f"{store.url}: {why}, not a weightvault vault of version {VERSION}; point Vault() "
+        f"{store.url}: {why}, not a weightvault vault of version {LAYOUT}; point Vault() "
         "at an empty folder, a new path, or an existing vault"
     )
 
@@ -51,11 +64,11 @@ def holds_vault(store: Store) -> bool:
         version = found.get("version")
     except (ValueError, AttributeError, RecursionError):
         ours, version = False, None
-    if ours and version != VERSION:
+    if ours and version not in _READS:
         raise FormatError(
             f"{store.url}/{MARKER}: vault format version {version!r}, which this "
-            f"weightvault does not know (it reads version {VERSION}); upgrade weightvault "
-            "on this machine"
+            f"weightvault does not know (it reads versions {', '.join(map(str, _READS))}); "
+            "upgrade weightvault on this machine"
         )
     if not ours:
         raise _not_a_vault(store, "vault.json is another file")
@@ -70,9 +83,24 @@ def create_vault(store: Store) -> None:
     """
     if holds_vault(store):
         return
-    marker = {"format": FORMAT, "version": VERSION, "hash": "blake3"}
+    marker = {"format": FORMAT, "version": LAYOUT, "hash": "blake3"}
     if not store.put(MARKER, json.dumps(marker).encode(), exclusive=True):
         holds_vault(store)  # another writer made it meanwhile: check it is a vault
+
+
+def layout_of(store: Store) -> int:
+    """The layout version ``vault.json`` records (the vault must exist)."""
+    version = json.loads(store.get(MARKER)).get("version")
+    return version if isinstance(version, int) else 1
+
+
+def upgrade_vault(store: Store) -> None:
+    """Record layout :data:`LAYOUT` in a vault created by an older weightvault, before
+    the first pack is written: a weightvault that reads only layout 1 then refuses the
+    vault by its version instead of finding packed objects missing."""
+    if layout_of(store) < LAYOUT:
+        marker = {"format": FORMAT, "version": LAYOUT, "hash": "blake3"}
+        store.put(MARKER, json.dumps(marker).encode())
 
 
 def require_vault(store: Store) -> None:

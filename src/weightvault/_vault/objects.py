@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -41,6 +42,7 @@ from .frame import (
     parse_frame_header,
     table_size,
 )
+from .pack import Packed, find, forget, pack_key
 from .store import Store
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "object_size",
     "open_file",
     "open_object",
+    "pack_locations",
     "prefetch",
     "read_object",
     "read_range",
@@ -118,18 +121,67 @@ def locations(store: Store, digest: str) -> Iterator[str]:
     yield key
 
 
+def pack_locations(store: Store, digest: str) -> Iterator[tuple[str, Packed]]:
+    """``(key, where)`` to try, in order, for object ``digest`` in a pack (:mod:`.pack`):
+    the pack under ``packs/``, then in a gc's trash, then under ``packs/`` again. Nothing
+    when no pack holds it. A pack found gone everywhere is forgotten, and the packs
+    listed once more (the object may be in another)."""
+    for _ in range(2):
+        where = find(store, digest)
+        if where is None:
+            return
+        key = pack_key(where.pack)
+        yield key, where
+        trashed = in_trash(store, where.pack)
+        if trashed is not None:
+            yield trashed, where
+        yield key, where
+        forget(store, where.pack)
+
+
+def _loose_then_packed(store: Store, digest: str) -> Iterator[tuple[str, Packed | None]]:
+    """Where to look for object ``digest``: ``objects/``, a pack, a gc's trash,
+    ``objects/`` again (loose objects win: see :mod:`.pack`)."""
+    keys = locations(store, digest)
+    yield next(keys), None
+    yield from pack_locations(store, digest)
+    for key in keys:
+        yield key, None
+
+
 def object_file(store: Store, digest: str) -> memoryview:
-    """The bytes of object ``digest``'s file (raw bytes or a frame), wherever a gc holds it.
+    """The bytes of object ``digest``'s file (raw bytes or a frame), wherever it is.
 
     Raises:
         FileNotFoundError: The object is nowhere; callers name the tensor it held.
     """
-    for key in locations(store, digest):
+    for key, packed in _loose_then_packed(store, digest):
         try:
-            return store.view(key)
+            if packed is None:
+                return store.view(key)
+            return _packed_view(store, key, packed)
         except FileNotFoundError:
             continue
     raise FileNotFoundError(object_key(digest))
+
+
+def _packed_view(store: Store, key: str, where: Packed) -> memoryview:
+    """An object's bytes in the pack at ``key``: a window of its mapping, locally."""
+    end = where.offset + where.size
+    path = store.local_path(key)
+    if where.size == 0 and store.size(key) is not None:
+        return memoryview(bytearray())  # a ranged read of nothing may read the whole file
+    if path is None:
+        data = store.get_range(key, where.offset, end)
+        if len(data) != where.size:
+            raise FormatError(f"{store.url}/{key}: the pack ended before its objects did")
+        return memoryview(bytearray(data))
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < end:
+            raise FormatError(f"{path}: the pack ended before its objects did (truncated)")
+        if where.size == 0:
+            return memoryview(bytearray())
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))[where.offset : end]
 
 
 #: Where a read finds an object's file: the store, or files fetched ahead (remote stores).
@@ -144,16 +196,25 @@ class ObjectFile:
     RSS); a file fetched ahead, or from a remote store, is its bytes in memory.
     """
 
-    def __init__(self, *, fd: int = -1, data: memoryview | None = None) -> None:
+    def __init__(
+        self, *, fd: int = -1, data: memoryview | None = None, window: Packed | None = None
+    ) -> None:
         self._fd = fd
         self._data = data
-        self.size = os.fstat(fd).st_size if data is None else data.nbytes
+        # An object in a pack is a window of the pack's file (see :mod:`.pack`).
+        self._at = window.offset if window is not None else 0
+        self._window = window is not None
+        if window is not None:
+            self.size = window.size
+        else:
+            self.size = os.fstat(fd).st_size if data is None else data.nbytes
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         """Up to ``length`` bytes at ``offset`` (fewer only past the end of the file)."""
+        length = max(0, min(length, self.size - offset))
         if self._data is not None:
             return self._data[offset : offset + length]
-        return os.pread(self._fd, length, offset)
+        return os.pread(self._fd, length, self._at + offset)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` from ``offset``.
@@ -162,11 +223,12 @@ class ObjectFile:
             FormatError: The file ends first (it was truncated).
         """
         out = out.cast("B")
+        if (self._data is not None or self._window) and offset + out.nbytes > self.size:
+            raise FormatError("the object ended before its bytes did")
         if self._data is not None:
-            if offset + out.nbytes > self._data.nbytes:
-                raise FormatError("the object ended before its bytes did")
             out[:] = self._data[offset : offset + out.nbytes]
             return
+        offset += self._at
         while out.nbytes:
             n = os.preadv(self._fd, [out[: 1 << 30]], offset)  # ~2 GiB per call at most
             if n == 0:
@@ -198,12 +260,20 @@ def open_file(store: Store, digest: str, files: Files | None = None) -> ObjectFi
     """
     if files is not None and digest in files:
         return ObjectFile(data=memoryview(files[digest]).cast("B"))
-    for key in locations(store, digest):
+    for key, packed in _loose_then_packed(store, digest):
         path = store.local_path(key)
         try:
             if path is None:
-                return ObjectFile(data=store.view(key))
-            return ObjectFile(fd=os.open(path, os.O_RDONLY))
+                if packed is None:
+                    return ObjectFile(data=store.view(key))
+                return ObjectFile(data=_packed_view(store, key, packed))
+            if packed is None:
+                return ObjectFile(fd=os.open(path, os.O_RDONLY))
+            fd = os.open(path, os.O_RDONLY)
+            if os.fstat(fd).st_size < packed.offset + packed.size:
+                os.close(fd)
+                raise FormatError(f"{path}: the pack ended before its objects did (truncated)")
+            return ObjectFile(fd=fd, window=packed)
         except FileNotFoundError:
             continue
     raise FileNotFoundError(object_key(digest))
@@ -441,7 +511,9 @@ def _check_base(links: list[Link], digest: str, frame: Frame | None) -> None:
 def object_frame(store: Store, digest: str) -> Frame | None:
     """The frame header of object ``digest`` (its block table unread), or ``None`` if the
     object is raw bytes, absent, or its header does not parse (the full read says why)."""
-    for key in locations(store, digest):
+    for key, packed in _loose_then_packed(store, digest):
+        if packed is not None:
+            return None  # a pack holds raw bytes only
         try:
             head = store.get_range(key, 0, HEADER_SIZE)
         except FileNotFoundError:
@@ -481,7 +553,11 @@ def object_size(store: Store, digest: str, nbytes: int | None = None) -> int | N
     A file of exactly ``nbytes`` (the size the record expects) is raw bytes; any other
     is asked for its frame header.
     """
-    for key in locations(store, digest):
+    for key, packed in _loose_then_packed(store, digest):
+        if packed is not None:
+            if store.size(key) is None:
+                continue
+            return packed.size  # a pack holds raw bytes only
         size = store.size(key)
         if size is None:
             continue

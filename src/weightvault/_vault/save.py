@@ -144,6 +144,9 @@ def _store(
     sums: Checksums,
     encoder: Encoder,
     progress: Progress | None = None,
+    *,
+    pack: bool = False,
+    packs: list[str] | None = None,
 ) -> tuple[int, int]:
     """Write the objects the vault lacks; return the new raw bytes and the bytes their
     files hold. Checksums :func:`_address` left out are taken as the objects are written.
@@ -179,6 +182,8 @@ def _store(
         encoder=encoder,
         writing=writing,
         written=written,
+        pack=pack,
+        packs=packs,
     )
     return sum(first[d].nbytes for d in new), sum(new.values())
 
@@ -240,10 +245,16 @@ def save_sources(
     intent = begin(store, digests.values(), gc_wait=gc_wait)
     try:
         # Raw bytes: compression and deltas are the compactor's, after the commit.
-        new_bytes, written = _store(store, pool, placed, digests, sums, Encoder(), progress)
+        # Small new objects go into one pack file, which the compactor takes apart.
+        packs: list[str] = []
+        new_bytes, written = _store(
+            store, pool, placed, digests, sums, Encoder(), progress, pack=to_compact, packs=packs
+        )
         _checksum_rest(store, pool, placed, digests, sums)
         doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
         doc["written_bytes"] = written
+        if packs:
+            doc["packs"] = packs  # whose packs they are: the compactor leaves the newest's
         name = commit_record(store, doc, name)
         if to_compact:
             # A crash just here leaves the checkpoint raw (loadable, only larger), and

@@ -71,6 +71,7 @@ from .delta import Parts, encode_full, size_of, stored_depth
 from .frame import HEADER_SIZE, Frame, is_frame, parse_frame_header
 from .marker import holds_vault, require_vault
 from .objects import content_hash, is_temp, object_file, object_frame, object_key, read_object
+from .pack import pack_table
 from .records import check_name, read_doc, record_key, record_names, resolve
 from .store import Store
 
@@ -179,8 +180,13 @@ def _same(a: _Checkpoint, b: _Checkpoint) -> bool:
 
 
 def _listed(store: Store) -> dict[str, int]:
-    """``{digest: file size}`` of every object in ``store``'s ``objects/`` (one listing)."""
+    """``{digest: file size}`` of every object in ``store``'s ``objects/`` and packs
+    (one listing of each; a packed object's file is its raw bytes)."""
     out = {}
+    table = pack_table(store)
+    table.refresh(store)
+    for index in table.packs().values():
+        out.update({d: p.size for d, p in index.items()})
     for blob in store.list("objects"):
         if not is_temp(blob.key):
             out[blob.key.rsplit("/", 1)[-1]] = blob.size

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .compact import pending
+from .pack import PACKS, pack_table
 from .records import CheckpointRecord, list_docs
 from .store import Store
 
@@ -106,7 +107,8 @@ class VaultUsage:
         raw_bytes: The raw bytes of all checkpoints (as separate uncompressed files of
             distinct tensors would hold them).
         written_bytes: What the checkpoints' saves wrote (objects gc freed since count).
-        object_bytes: What the vault's objects take on disk now.
+        object_bytes: What the vault's objects take on disk now: the files under
+            ``objects/`` and the packs of saves not compacted yet.
         disk_bytes: What the whole vault takes on disk now, records included.
         ratio: ``disk_bytes / raw_bytes``; ``None`` for a vault without tensor bytes.
     """
@@ -124,7 +126,13 @@ def vault_usage(store: Store) -> VaultUsage:
     """Every checkpoint's bytes and the vault's, from one listing of its records and one
     of its objects."""
     pairs = list_docs(store)
-    sizes = {b.key.rsplit("/", 1)[-1]: b.size for b in store.list("objects")}
+    table = pack_table(store)
+    table.refresh(store)
+    # An object in a save's pack (until the compactor takes it out) takes its raw size.
+    sizes = {d: p.size for index in table.packs().values() for d, p in index.items()}
+    loose = {b.key.rsplit("/", 1)[-1]: b.size for b in store.list("objects")}
+    sizes.update(loose)
+    packs = sum(b.size for b in store.list(PACKS))
     todo = set(pending(store))
     seen: set[str] = set()
     checkpoints = []
@@ -141,7 +149,7 @@ def vault_usage(store: Store) -> VaultUsage:
         checkpoints=checkpoints,
         raw_bytes=raw,
         written_bytes=sum(c.written_bytes for c in checkpoints),
-        object_bytes=sum(sizes.values()),
+        object_bytes=sum(loose.values()) + packs,
         disk_bytes=disk,
         ratio=_ratio(disk, raw),
     )

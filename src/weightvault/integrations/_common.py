@@ -20,11 +20,16 @@ _log = logging.getLogger("weightvault")
 def settle(vault: Vault) -> None:
     """End a run's compaction: the background compactor's work done, then the newest
     checkpoint compressed too (the compactor leaves it raw while training may resume
-    from it). A failure is logged, never raised: the run's checkpoints are committed,
-    and what is left is done by a later compaction."""
+    from it), and the packs left holding only dropped state freed. A failure is logged,
+    never raised: the run's checkpoints are committed, and what is left is done by a
+    later compaction."""
     vault.wait(raise_errors=False)  # raises what a background save raised, as before
     try:
         vault.compact()
+        if vault.store.list("packs"):
+            # A settled vault keeps a pack only for what nothing names any more (state a
+            # retention dropped before the compactor took the pack apart): free it.
+            vault.gc()
     except VaultNotFoundError:
         pass  # the run saved nothing: there is nothing to compact
     except Exception as error:  # training has ended well: its saves stand

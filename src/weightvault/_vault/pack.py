@@ -1,0 +1,338 @@
+"""Pack files: a save's new objects in one file instead of one file each.
+
+Creating a file costs a few hundred microseconds on a local disk (and a request on an
+object store) however small it is, so a save of many small tensors spent most of its time
+creating files (docs/benchmarks.md, section 14). A save that writes two or more objects
+and leaves them to the compactor now writes them into one pack, ``packs/<id>.pack``::
+
+    b"WVPACK01"                                  8 bytes
+    each object's raw bytes, at offsets that are multiples of 64
+    the index: UTF-8 JSON {"version": 1, "objects": {digest: [offset, size]}}
+    the index's length, u64 little-endian; b"WVPACKIX"    16 bytes
+
+A pack is written whole, made durable, then renamed into place, and never changed after;
+its index is at its end so that a writer needs to know nothing before the bytes. An object
+in a pack is its raw bytes, exactly as a loose raw object under ``objects/`` would be:
+its name is still the blake3 of those bytes, and a load checks them as it checks any.
+
+**Loose objects win.** Every read looks in ``objects/`` first (:func:`.objects.locations`),
+so a pack is only ever a second copy once the compactor has written an object loose (as a
+compressed object or a delta). Once every object of a pack is loose the pack is deleted;
+a reader that found an object in it meanwhile and then cannot open it looks again, and
+finds the loose copy. The compactor leaves the newest checkpoint's new objects in their
+pack (a resume reads them there, raw), and takes the rest out as it compacts; gc frees a
+pack that holds nothing live (through its trash, as it frees objects, see :mod:`.gc`).
+
+A process keeps every pack's index it has read (packs never change) in :class:`PackTable`,
+one per store, and lists ``packs/`` again only when an object is in none of them.
+
+Example:
+    >>> offsets, index_at = layout([10, 100])
+    >>> offsets, index_at
+    ([64, 128], 228)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import threading
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._base.errors import FormatError
+from .store import Store
+
+__all__ = [
+    "ALIGN",
+    "PACKS",
+    "PACK_BYTES",
+    "PACK_OBJECT",
+    "PackTable",
+    "Packed",
+    "encode_index",
+    "find",
+    "forget",
+    "is_pack",
+    "layout",
+    "new_pack_name",
+    "pack_groups",
+    "pack_key",
+    "pack_parts",
+    "pack_table",
+    "parse_index",
+    "read_index",
+]
+
+MAGIC = b"WVPACK01"
+FOOTER = b"WVPACKIX"
+#: Objects start at multiples of this (a tensor read straight from a mapping is aligned).
+ALIGN = 64
+#: Objects smaller than this go into a save's pack; larger ones are written as files of
+#: their own, where creating the file costs little beside writing the bytes.
+PACK_OBJECT = 4 << 20
+#: The most object bytes one pack holds (an object store's upload is one buffer).
+PACK_BYTES = 256 << 20
+#: The largest index a reader accepts (about 700,000 objects).
+MAX_INDEX = 64 << 20
+#: Where packs live.
+PACKS = "packs"
+_TAIL = 16
+_NAME = re.compile(r"[0-9a-f]{32}\.pack")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where an object lies in a pack: the pack's file name, its offset and size."""
+
+    pack: str
+    offset: int
+    size: int
+
+
+def new_pack_name() -> str:
+    return f"{uuid.uuid4().hex}.pack"
+
+
+def is_pack(leaf: str) -> bool:
+    """Whether a file name is a pack's (not a temporary file, not anything else)."""
+    return _NAME.fullmatch(leaf) is not None
+
+
+def pack_key(name: str) -> str:
+    return f"{PACKS}/{name}"
+
+
+def _up(n: int) -> int:
+    return n + (-n % ALIGN)
+
+
+def layout(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Each object's offset in a pack, and where the index starts."""
+    offsets, at = [], ALIGN  # the magic, padded to the first aligned offset
+    for size in sizes:
+        offsets.append(at)
+        at = _up(at + size)
+    return offsets, at
+
+
+def header() -> bytes:
+    """The pack's first bytes, up to the first object's offset."""
+    return MAGIC + bytes(ALIGN - len(MAGIC))
+
+
+def pack_groups(objects: Sequence[tuple[str, int]]) -> list[list[str]]:
+    """``[(digest, size)]`` split into packs of at most :data:`PACK_BYTES` each."""
+    groups: list[list[str]] = [[]]
+    total = 0
+    for digest, size in objects:
+        if groups[-1] and total + size > PACK_BYTES:
+            groups.append([])
+            total = 0
+        groups[-1].append(digest)
+        total += _up(size)
+    return [g for g in groups if g]
+
+
+def pack_parts(objects: Sequence[tuple[str, bytes | memoryview]]) -> tuple[str, list[Any]]:
+    """A new pack holding ``[(digest, raw bytes)]``: its key and its file as parts."""
+    views = [memoryview(data).cast("B") for _, data in objects]
+    offsets, _ = layout(v.nbytes for v in views)
+    parts: list[Any] = [header()]
+    entries: dict[str, tuple[int, int]] = {}
+    at = ALIGN
+    for (digest, _), view, offset in zip(objects, views, offsets, strict=True):
+        if offset > at:
+            parts.append(bytes(offset - at))
+        parts.append(view)
+        entries.setdefault(digest, (offset, view.nbytes))
+        at = offset + view.nbytes
+    end = _up(at)
+    if end > at:
+        parts.append(bytes(end - at))
+    parts.append(encode_index(entries))
+    return pack_key(new_pack_name()), parts
+
+
+def encode_index(entries: Mapping[str, tuple[int, int]]) -> bytes:
+    """The index and the tail that follow the objects (``{digest: (offset, size)}``)."""
+    doc = {"version": 1, "objects": {d: [o, s] for d, (o, s) in entries.items()}}
+    body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    return body + struct.pack("<Q", len(body)) + FOOTER
+
+
+def parse_index(tail: bytes, body: bytes, file_size: int, where: str) -> dict[str, Packed]:
+    """A pack's index from its last 16 bytes and the index bytes before them.
+
+    Every entry is checked against the file: a hostile index cannot point a read outside
+    the pack's object bytes.
+
+    Raises:
+        FormatError: The index is damaged or points outside the pack.
+    """
+    leaf = where.rsplit("/", 1)[-1]
+    length = index_length(tail, file_size, where)
+    if len(body) != length:
+        raise FormatError(f"{where}: the pack's index was cut short")
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise FormatError(f"{where}: the pack's index is not JSON; the pack is damaged") from None
+    objects = doc.get("objects") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(objects, dict):
+        raise FormatError(f"{where}: the pack's index is not a version 1 index")
+    end = file_size - _TAIL - length
+    out = {}
+    for digest, entry in objects.items():
+        ok = (
+            isinstance(digest, str)
+            and _DIGEST.fullmatch(digest) is not None
+            and isinstance(entry, list)
+            and len(entry) == 2
+            and all(type(v) is int for v in entry)
+            and ALIGN <= entry[0] <= entry[0] + entry[1] <= end
+            and entry[1] >= 0
+        )
+        if not ok:
+            shown = f"{str(digest)[:64]!r}: {str(entry)[:60]}"
+            raise FormatError(f"{where}: the pack's index entry {shown} is not an object in it")
+        out[digest] = Packed(leaf, entry[0], entry[1])
+    return out
+
+
+def index_length(tail: bytes, file_size: int, where: str) -> int:
+    """The index's length, from the pack's last 16 bytes.
+
+    Raises:
+        FormatError: They are not a pack's tail, or the length does not fit the file.
+    """
+    if len(tail) != _TAIL or tail[8:] != FOOTER:
+        raise FormatError(f"{where}: not a weightvault pack (no index at its end)")
+    (length,) = struct.unpack("<Q", tail[:8])
+    if length > MAX_INDEX or length + _TAIL + ALIGN > file_size:
+        raise FormatError(f"{where}: the pack's index claims {length} bytes, more than it holds")
+    return int(length)
+
+
+def read_index(store: Store, key: str) -> dict[str, Packed]:
+    """The index of the pack at ``key``: two ranged reads.
+
+    Raises:
+        FileNotFoundError: The pack is gone.
+        FormatError: It is damaged.
+    """
+    size = store.size(key)
+    if size is None:
+        raise FileNotFoundError(key)
+    where = f"{store.url}/{key}"
+    if size < ALIGN + _TAIL:
+        raise FormatError(f"{where}: a pack of {size} bytes is too short to hold an index")
+    tail = store.get_range(key, size - _TAIL, size)
+    length = index_length(tail, size, where)
+    body = store.get_range(key, size - _TAIL - length, size - _TAIL)
+    return parse_index(tail, body, size, where)
+
+
+class PackTable:
+    """The indexes of one store's packs that this process has read (packs never change).
+
+    :meth:`find` answers from memory; on a miss it lists ``packs/`` again and reads the
+    indexes of packs it has not seen. A damaged pack is remembered as such: its objects
+    are then absent, and loads name the tensors they held.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._where: dict[str, Packed] = {}
+        self._packs: dict[str, dict[str, Packed]] = {}  # pack name -> its index
+        self.damaged: dict[str, str] = {}  # pack name -> why
+
+    def refresh(self, store: Store) -> None:
+        """List ``packs/`` (and gcs' trash), read the indexes not read yet, and forget the
+        packs gone from both."""
+        listed: dict[str, str] = {}
+        # A pack in a gc's trash (a gc running, or one that died) is read there.
+        for prefix in ("trash", PACKS):
+            for b in store.list(prefix):
+                leaf = b.key.rsplit("/", 1)[-1]
+                if is_pack(leaf):
+                    listed[leaf] = b.key
+        with self._lock:
+            known = set(self._packs) | set(self.damaged)
+        for name in sorted(set(listed) - known):
+            try:
+                index = read_index(store, listed[name])
+            except FileNotFoundError:
+                continue
+            except FormatError as e:
+                with self._lock:
+                    self.damaged[name] = str(e)
+                continue
+            with self._lock:
+                self._packs[name] = index
+                for digest, where in index.items():
+                    self._where.setdefault(digest, where)
+        with self._lock:
+            for name in (set(self._packs) | set(self.damaged)) - set(listed):
+                self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        self.damaged.pop(name, None)
+        for digest in self._packs.pop(name, {}):
+            where = self._where.get(digest)
+            if where is None or where.pack != name:
+                continue
+            del self._where[digest]
+            # Another pack may hold the same object (two saves raced to write it).
+            for index in self._packs.values():
+                if digest in index:
+                    self._where[digest] = index[digest]
+                    break
+
+    def find(self, store: Store, digest: str, *, refresh: bool = True) -> Packed | None:
+        """Where object ``digest`` lies in a pack, or ``None``; ``refresh=False`` answers
+        from what was read before (a caller that refreshed once for many lookups)."""
+        with self._lock:
+            found = self._where.get(digest)
+        if found is not None or not refresh:
+            return found
+        self.refresh(store)
+        with self._lock:
+            return self._where.get(digest)
+
+    def packs(self) -> dict[str, dict[str, Packed]]:
+        """``{pack name: its index}`` of every pack known."""
+        with self._lock:
+            return {k: dict(v) for k, v in self._packs.items()}
+
+    def forget(self, name: str) -> None:
+        """Drop a pack that turned out to be gone."""
+        with self._lock:
+            self._drop(name)
+
+
+_tables: dict[str, PackTable] = {}
+_tables_lock = threading.Lock()
+
+
+def pack_table(store: Store) -> PackTable:
+    """This process's :class:`PackTable` of ``store`` (one per vault location)."""
+    with _tables_lock:
+        table = _tables.get(store.url)
+        if table is None:
+            table = _tables[store.url] = PackTable()
+        return table
+
+
+def find(store: Store, digest: str, *, refresh: bool = True) -> Packed | None:
+    """Where object ``digest`` lies in one of ``store``'s packs, or ``None``."""
+    return pack_table(store).find(store, digest, refresh=refresh)
+
+
+def forget(store: Store, name: str) -> None:
+    """Forget pack ``name`` of ``store`` (it was found gone)."""
+    pack_table(store).forget(name)
