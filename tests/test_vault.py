@@ -101,7 +101,9 @@ def test_the_first_save_creates_the_vault_and_it_reopens(tmp_path: Path) -> None
     assert not root.exists()
     vault.save(build(1, width=64), "first")  # parents created
     marker = json.loads((root / "vault.json").read_text())
-    assert marker["format"] == "weightvault-vault" and marker["version"] == 1
+    assert (
+        marker["format"] == "weightvault-vault" and marker["version"] == 2
+    )  # layout 2: packs (docs/format.md)
 
     again = Vault(str(root))
     assert [r.name for r in again.list()] == ["first"]

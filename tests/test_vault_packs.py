@@ -7,6 +7,7 @@ packs are driven through the real code paths, never mocked.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -382,3 +383,39 @@ def _time() -> float:
     import time
 
     return time.time()
+
+
+# -- the layout version ----------------------------------------------------------------
+
+LEGACY = Path(__file__).parent / "fixtures" / "legacy_vault"
+
+
+def test_an_older_vault_loads_and_becomes_layout_2_at_its_first_pack(tmp_path: Path) -> None:
+    root = tmp_path / "legacy"
+    shutil.copytree(LEGACY, root)
+    assert json.loads((root / "vault.json").read_text())["version"] == 1
+    vault = Vault(root, compaction=None)
+    before = {r.name: _digests(vault, r.name) for r in vault.list()}
+    assert vault.verify().ok  # read as it is, version 1
+    vault.save(arrays(8), name="packed")
+    assert json.loads((root / "vault.json").read_text())["version"] == 2
+    assert len(packs(root)) == 1
+    assert {n: _digests(vault, n) for n in before} == before and vault.verify().ok
+    assert_loads(vault, "packed", arrays(8))
+
+
+def test_a_layout_this_weightvault_does_not_know_is_refused_by_its_version(
+    tmp_path: Path,
+) -> None:
+    vault = Vault(tmp_path, compaction=None)
+    vault.save(arrays(0))
+    (tmp_path / "vault.json").write_text(
+        json.dumps({"format": "weightvault-vault", "version": 3, "hash": "blake3"})
+    )
+    with pytest.raises(FormatError, match="version 3"):
+        Vault(tmp_path).list()
+
+
+def _digests(vault: Vault, name: str) -> dict[str, str]:
+    with vault.open(name) as ckpt:
+        return dict(ckpt.objects)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .pools import LazyPool
 
@@ -100,8 +102,20 @@ def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview
     """
     fd, tmp = _temp_beside(path)
     try:
+        at = 0
         for part in [data] if isinstance(data, bytes | memoryview) else data:
-            write_all(fd, part)
+            view = memoryview(part).cast("B")
+            # A large file (a save's pack) starts going to disk while the rest is still
+            # written: the sync that follows then waits for less.
+            while view.nbytes > WRITEBACK_BYTES:
+                write_all(fd, view[:WRITEBACK_BYTES])
+                start_writeback(fd, at, WRITEBACK_BYTES)
+                at += WRITEBACK_BYTES
+                view = view[WRITEBACK_BYTES:]
+            write_all(fd, view)
+            at += view.nbytes
+            if at >= WRITEBACK_BYTES:
+                start_writeback(fd, 0, at)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
@@ -109,6 +123,33 @@ def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview
         raise
     os.close(fd)
     return tmp
+
+
+#: A temporary file's pages are handed to the disk every this many bytes written.
+WRITEBACK_BYTES = 8 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``[offset, offset + nbytes)`` of ``fd`` to disk, without waiting
+    (Linux ``sync_file_range``; nothing elsewhere). Durability still comes from the
+    fsync or syncfs that follows: this only lets the disk begin sooner."""
+    call = _sync_file_range()
+    if call is not None:
+        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def batch_sync_ok(own_bytes: int) -> bool:

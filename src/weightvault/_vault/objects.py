@@ -139,9 +139,21 @@ def pack_locations(store: Store, digest: str) -> Iterator[tuple[str, Packed]]:
         forget(store, where.pack)
 
 
-def _loose_then_packed(store: Store, digest: str) -> Iterator[tuple[str, Packed | None]]:
+def _loose_then_packed(
+    store: Store, digest: str, *, known_first: bool = False
+) -> Iterator[tuple[str, Packed | None]]:
     """Where to look for object ``digest``: ``objects/``, a pack, a gc's trash,
-    ``objects/`` again (loose objects win: see :mod:`.pack`)."""
+    ``objects/`` again (loose objects win: see :mod:`.pack`).
+
+    ``known_first`` (for reads of the bytes only) tries first a pack this process
+    already knows to hold the object: it holds the same raw bytes any loose copy decodes
+    to, and the failed open of the loose name it saves was a tenth of a small resume. A
+    pack deleted since fails to open, and the loose file is next. Never for what an
+    object's frame says (its delta base, which gc must keep): that is the loose file's.
+    """
+    known = find(store, digest, refresh=False) if known_first else None
+    if known is not None:
+        yield pack_key(known.pack), known
     keys = locations(store, digest)
     yield next(keys), None
     yield from pack_locations(store, digest)
@@ -155,7 +167,7 @@ def object_file(store: Store, digest: str) -> memoryview:
     Raises:
         FileNotFoundError: The object is nowhere; callers name the tensor it held.
     """
-    for key, packed in _loose_then_packed(store, digest):
+    for key, packed in _loose_then_packed(store, digest, known_first=True):
         try:
             if packed is None:
                 return store.view(key)
@@ -260,7 +272,7 @@ def open_file(store: Store, digest: str, files: Files | None = None) -> ObjectFi
     """
     if files is not None and digest in files:
         return ObjectFile(data=memoryview(files[digest]).cast("B"))
-    for key, packed in _loose_then_packed(store, digest):
+    for key, packed in _loose_then_packed(store, digest, known_first=True):
         path = store.local_path(key)
         try:
             if path is None:
@@ -269,11 +281,9 @@ def open_file(store: Store, digest: str, files: Files | None = None) -> ObjectFi
                 return ObjectFile(data=_packed_view(store, key, packed))
             if packed is None:
                 return ObjectFile(fd=os.open(path, os.O_RDONLY))
-            fd = os.open(path, os.O_RDONLY)
-            if os.fstat(fd).st_size < packed.offset + packed.size:
-                os.close(fd)
-                raise FormatError(f"{path}: the pack ended before its objects did (truncated)")
-            return ObjectFile(fd=fd, window=packed)
+            # Its index was checked against the pack's size; a pack cut short since then
+            # fails the read (read_into).
+            return ObjectFile(fd=os.open(path, os.O_RDONLY), window=packed)
         except FileNotFoundError:
             continue
     raise FileNotFoundError(object_key(digest))

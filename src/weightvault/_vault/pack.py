@@ -15,8 +15,9 @@ its index is at its end so that a writer needs to know nothing before the bytes.
 in a pack is its raw bytes, exactly as a loose raw object under ``objects/`` would be:
 its name is still the blake3 of those bytes, and a load checks them as it checks any.
 
-**Loose objects win.** Every read looks in ``objects/`` first (:func:`.objects.locations`),
-so a pack is only ever a second copy once the compactor has written an object loose (as a
+**Loose objects win**, except for reads of the bytes, which either copy serves: what an
+object's frame says (its delta base, which gc keeps) is always the loose file's, and a
+pack is only ever a second copy once the compactor has written an object loose (as a
 compressed object or a delta). Once every object of a pack is loose the pack is deleted;
 a reader that found an object in it meanwhile and then cannot open it looks again, and
 finds the loose copy. The compactor leaves the newest checkpoint's new objects in their

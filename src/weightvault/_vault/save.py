@@ -29,7 +29,7 @@ from .._file.manifest import MANIFEST_KEY
 from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
 from .checkpoint import VaultCheckpoint
-from .commit import begin, commit_record, each, release, store_missing, workers
+from .commit import begin, commit_record, each, each_grouped, release, store_missing, workers
 from .compact import mark
 from .delta import Encoder
 from .objects import checksum, content_hash, is_temp
@@ -111,7 +111,7 @@ def _address(
             sums[digest] = checksum(view)
         return digest
 
-    hashes = each(pool, both, stored, done)
+    hashes = each_grouped(pool, both, stored, lambda s: s.nbytes, done)
     return {s.name: h for s, h in zip(stored, hashes, strict=True)}
 
 
