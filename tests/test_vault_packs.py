@@ -419,3 +419,25 @@ def test_a_layout_this_weightvault_does_not_know_is_refused_by_its_version(
 def _digests(vault: Vault, name: str) -> dict[str, str]:
     with vault.open(name) as ckpt:
         return dict(ckpt.objects)
+
+
+def test_prefetch_reads_each_pack_once_for_all_its_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightvault._vault.objects import prefetch
+
+    vault = Vault(tmp_path, compaction=None)
+    want = arrays(9)
+    vault.save(want)
+    asked: list[list[str]] = []
+    real = LocalStore.get_many
+
+    def get_many(self: LocalStore, keys: list[str]) -> dict[str, bytes]:
+        asked.append(list(keys))
+        return real(self, keys)
+
+    monkeypatch.setattr(LocalStore, "get_many", get_many)
+    digests = {content_hash(a.tobytes()): a.tobytes() for a in want.values()}
+    got = prefetch(vault.store, list(digests))
+    assert asked == [[f"packs/{packs(tmp_path)[0].name}"]]
+    assert got == digests

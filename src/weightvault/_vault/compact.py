@@ -64,8 +64,9 @@ from .delta import Parts, Storage, delta_wins, encode_delta, encode_full, size_o
 from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
 from .objects import checksum, content_hash, object_key, read_object
 from .pack import find, pack_key, pack_table
-from .records import check_name, parse_record, read_doc, record_key, record_names
+from .records import parse_record, read_doc, record_key, record_names
 from .store import Store
+from .todo import TODO, held_packs, mark, pending, todo_key
 
 __all__ = [
     "LOCK",
@@ -78,33 +79,11 @@ __all__ = [
     "pending",
 ]
 
-#: Where the to-do markers and the lock live.
-TODO = "compact"
+#: Where the lock lives, beside the to-do markers (:mod:`.todo`).
 LOCK = f"{TODO}/lock"
 #: A lock marker on an object store not rewritten for this long belongs to a dead
 #: compactor (its heartbeat is rewritten every tenth of it).
 LOCK_STALE_SECONDS = 60.0
-
-
-def _todo_key(name: str) -> str:
-    return f"{TODO}/{name}.todo"
-
-
-def mark(store: Store, name: str) -> None:
-    """Leave checkpoint ``name`` to the compactor (called once its record is committed)."""
-    store.put(_todo_key(name), b"{}")
-
-
-def pending(store: Store) -> list[str]:
-    """The checkpoints whose compaction has not finished, in no particular order."""
-    out = []
-    for blob in store.list(TODO):
-        leaf = blob.key.rsplit("/", 1)[-1]
-        if not leaf.endswith(".todo") or leaf.startswith("."):
-            continue
-        with contextlib.suppress(ValueError):
-            out.append(check_name(leaf.removesuffix(".todo"), store.url))
-    return out
 
 
 @dataclass
@@ -587,11 +566,11 @@ def compact(
                 )  # fmt: skip
                 if leave_raw:
                     continue  # the next save's compaction, or a settling one, finishes it
-            store.delete(_todo_key(name))
+            store.delete(todo_key(name))
             report.checkpoints.append(name)
         # Markers of checkpoints deleted meanwhile.
         for name in todo - set(records.names):
-            store.delete(_todo_key(name))
+            store.delete(todo_key(name))
         _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
     except _Stopped:
         pass
@@ -649,17 +628,6 @@ def _take_out(work: _Work, records: _Records, held_by: set[str], pause: Callable
             store.delete(pack_key(pack))
             table.forget(pack)
             work.report.packs_deleted += 1
-
-
-def held_packs(store: Store, names: set[str]) -> set[str]:
-    """The packs the saves of checkpoints ``names`` wrote (their records name them)."""
-    out: set[str] = set()
-    for name in names:
-        with contextlib.suppress(FormatError, CheckpointNotFoundError):
-            listed = read_doc(store, name).get("packs")
-            if isinstance(listed, list):
-                out |= {p for p in listed if isinstance(p, str)}
-    return out
 
 
 class _Stopped(Exception):

@@ -40,6 +40,7 @@ from .objects import DIGEST, content_hash, is_temp, object_key, read_object, wit
 from .pack import PACKS, Packed, is_pack, pack_key, pack_table, read_index
 from .records import read_doc, record_names
 from .store import Blob, Store
+from .todo import held_packs, pending
 
 __all__ = [
     "GC_HEARTBEAT_SECONDS",
@@ -307,8 +308,6 @@ _MovedPack = tuple[Blob, str, dict[str, Packed]]
 def _held_by_compactor(store: Store) -> set[str]:
     """The packs of checkpoints the compactor has not finished: it takes them apart
     itself (a gc must not write their objects loose first, only to see them rewritten)."""
-    from .compact import held_packs, pending
-
     return held_packs(store, set(pending(store)))
 
 

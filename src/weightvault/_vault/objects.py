@@ -42,7 +42,7 @@ from .frame import (
     parse_frame_header,
     table_size,
 )
-from .pack import Packed, find, forget, pack_key
+from .pack import Packed, find, forget, pack_key, pack_table
 from .store import Store
 
 __all__ = [
@@ -582,12 +582,16 @@ def prefetch(store: Store, digests: Iterator[str] | list[str]) -> dict[str, byte
     """The files of ``digests`` and of their delta bases, fetched concurrently in rounds
     (one per chain level); used for remote stores, where each read is a round trip.
 
-    An object that is not in ``objects/`` (a gc may hold it in its trash) ends the
-    prefetch early: reads then look for it one by one, and name its tensor if it is gone.
+    Objects in a save's pack come with one read of each pack they are in (a pack holds
+    raw bytes only, so they name no bases). An object that is in neither (a gc may hold
+    it in its trash) ends the prefetch early: reads then look for it one by one, and name
+    its tensor if it is gone.
     """
     out: dict[str, bytes] = {}
     wanted = sorted(set(digests))
+    pack_table(store).refresh(store)
     for _ in range(MAX_DEPTH + 1):
+        _prefetch_packed(store, [d for d in wanted if d not in out], out)
         keys = {object_key(d): d for d in wanted if d not in out}
         if not keys:
             break
@@ -607,6 +611,23 @@ def prefetch(store: Store, digests: Iterator[str] | list[str]) -> dict[str, byte
                     bases.append(base)
         wanted = bases
     return out
+
+
+def _prefetch_packed(store: Store, digests: list[str], out: dict[str, bytes]) -> None:
+    """Add to ``out`` the objects of ``digests`` a known pack holds, one read per pack (a
+    pack gone since is left out: those objects are then read one by one)."""
+    where = {d: w for d in digests if (w := find(store, d, refresh=False)) is not None}
+    keys = sorted({pack_key(w.pack) for w in where.values()})
+    if not keys:
+        return
+    try:
+        got = store.get_many(keys)
+    except FileNotFoundError:
+        return
+    for digest, w in where.items():
+        data = got[pack_key(w.pack)]
+        if w.offset + w.size <= len(data):
+            out[digest] = bytes(memoryview(data)[w.offset : w.offset + w.size])
 
 
 def damaged(where: str, stored: str, what: str) -> FormatError:

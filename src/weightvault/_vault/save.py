@@ -30,11 +30,11 @@ from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
 from .checkpoint import VaultCheckpoint
 from .commit import begin, commit_record, each, each_grouped, release, store_missing, workers
-from .compact import mark
 from .delta import Encoder
 from .objects import checksum, content_hash, is_temp
 from .records import VERSION, CheckpointRecord, parse_record, read_doc
 from .store import Store
+from .todo import mark
 
 __all__ = ["SUM_RECORDS", "Checksums", "Progress", "save_sources"]
 
@@ -232,7 +232,7 @@ def save_sources(
     to_compact: bool = False,
 ) -> CheckpointRecord:
     """Commit ``sources`` (and ``training``'s section) as one checkpoint; with
-    ``to_compact``, leave it to the compactor (:func:`~.compact.mark`).
+    ``to_compact``, leave it to the compactor (:func:`~.todo.mark`).
 
     Raises:
         CheckpointExistsError: Another writer took ``name`` first.

@@ -66,7 +66,6 @@ from .._base.errors import (
 from .checkpoint import open_record
 from .codec import CODECS, DEFAULT, Codec
 from .commit import begin, commit_record, each, release, workers
-from .compact import mark
 from .delta import Parts, encode_full, size_of, stored_depth
 from .frame import HEADER_SIZE, Frame, is_frame, parse_frame_header
 from .marker import holds_vault, require_vault
@@ -74,6 +73,7 @@ from .objects import content_hash, is_temp, object_file, object_frame, object_ke
 from .pack import pack_table
 from .records import check_name, read_doc, record_key, record_names, resolve
 from .store import Store
+from .todo import mark
 
 __all__ = ["BATCH_BYTES", "TransferReport", "transfer"]
 

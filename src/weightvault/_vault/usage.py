@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compact import pending
 from .pack import PACKS, pack_table
 from .records import CheckpointRecord, list_docs
 from .store import Store
+from .todo import pending
 
 __all__ = ["CheckpointUsage", "VaultUsage", "checkpoint_usage", "vault_usage"]
 
