@@ -175,10 +175,10 @@ def _classes() -> dict[str, Any]:
             if f.mine("commit"):
                 store, real = self.vault.store, self.vault.store.put
 
-                def put(key: str, data: Any, *, exclusive: bool = False) -> bool:
+                def put(key: str, data: Any, **options: Any) -> bool:
                     if key.startswith("checkpoints/"):
                         raise OSError(28, f"No space left on device ({f.error('commit')})")
-                    return real(key, data, exclusive=exclusive)
+                    return real(key, data, **options)
 
                 store.put = put  # type: ignore[method-assign]
                 try:

@@ -97,9 +97,11 @@ def test_each_stored_tensor_is_hashed_once_and_only_new_bytes_are_checksummed(
     # Every tensor is hashed again, exactly once: nothing is skipped as "unchanged".
     assert sorted(counts.blake3) == stored_sizes(vault, second.name)
     assert sum(counts.blake3) == second.stored_bytes
-    # Only the new head is checksummed; the backbone's checksums are reused.
+    # At most the new head is checksummed (a tensor the plan fingerprinted whole has its
+    # xxh3 already); the backbone's checksums are reused. Either way the load checks them.
     assert second.new_bytes == head_bytes(model)
-    assert sum(counts.xxh3) == second.new_bytes
+    assert sum(counts.xxh3) <= second.new_bytes
+    vault.load(build(3, width=WIDTH), second.name)  # verify=True: every checksum checked
 
     counts.reset()
     third = vault.save(model)  # nothing changed at all

@@ -50,7 +50,7 @@ def fsync_dir(folder: str) -> None:
 
 @contextlib.contextmanager
 def atomic_file(
-    path: str, *, exclusive: bool = False, sync_dir: bool = True
+    path: str, *, exclusive: bool = False, sync_dir: bool = True, durable: bool = True
 ) -> Iterator[AtomicFile]:
     """Yield a temporary file beside ``path``; on success it becomes ``path``.
 
@@ -64,13 +64,17 @@ def atomic_file(
         exclusive: Never replace an existing ``path``.
         sync_dir: Fsync the folder after the rename; callers that commit many files at
             once pass False and sync the folders themselves, once.
+        durable: Fsync the file before the rename. False still makes it appear whole or
+            not at all, to every process, but a power loss may take it: for files that
+            only need to be seen (a save's intent), never for a commit.
     """
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = _temp_beside(path)
     out = AtomicFile(fd)
     try:
         yield out
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         os.close(fd)
         out.fd = -1
         if exclusive:
@@ -102,20 +106,19 @@ def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview
     """
     fd, tmp = _temp_beside(path)
     try:
-        at = 0
+        at = flushed = 0
         for part in [data] if isinstance(data, bytes | memoryview) else data:
             view = memoryview(part).cast("B")
-            # A large file (a save's pack) starts going to disk while the rest is still
-            # written: the sync that follows then waits for less.
-            while view.nbytes > WRITEBACK_BYTES:
-                write_all(fd, view[:WRITEBACK_BYTES])
-                start_writeback(fd, at, WRITEBACK_BYTES)
-                at += WRITEBACK_BYTES
-                view = view[WRITEBACK_BYTES:]
-            write_all(fd, view)
-            at += view.nbytes
-            if at >= WRITEBACK_BYTES:
-                start_writeback(fd, 0, at)
+            while view.nbytes:
+                chunk = view[:WRITEBACK_BYTES]
+                write_all(fd, chunk)
+                at += chunk.nbytes
+                view = view[chunk.nbytes :]
+                if at - flushed >= WRITEBACK_BYTES:
+                    # A large file (a save's pack) starts going to disk while the rest
+                    # is still written: the sync that follows then waits for less.
+                    start_writeback(fd, flushed, at - flushed)
+                    flushed = at
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
@@ -234,6 +237,13 @@ def syncfs(root: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def open_temp(path: str) -> tuple[int, str]:
+    """A new temporary file beside ``path`` (created exclusively, not synced), for a
+    writer that fills it by offset; ``(descriptor, name)``. The caller closes it, and
+    makes it durable and renames it as :func:`write_temp`'s files are."""
+    return _temp_beside(path)
 
 
 def _temp_beside(path: str) -> tuple[int, str]:

@@ -113,6 +113,9 @@ class Plan:
     duplicates: dict[str, str] = field(default_factory=dict)
     #: The manifest's ``"training"`` section (see :mod:`weightvault._training`), if any.
     training: dict[str, Any] | None = None
+    #: ``{name: xxh3-64 of all its bytes}`` of the tensors :func:`plan` fingerprinted
+    #: whole: the very checksum a manifest records, which a save need not compute again.
+    fingerprints: dict[str, int] = field(default_factory=dict)
 
     @property
     def stored_bytes(self) -> int:
@@ -215,7 +218,12 @@ def plan(sources: Sequence[Source], *, dedupe_copies: bool = True) -> Plan:
 
     def signature(s: Source) -> tuple[str, tuple[int, ...], int]:
         alone = len(by_shape[(s.dtype, s.shape)]) == 1 or s.nbytes == 0
-        return (s.dtype, s.shape, 0 if alone else fingerprint(s.data()))
+        if alone:
+            return (s.dtype, s.shape, 0)
+        print_ = fingerprint(s.data())
+        if s.nbytes <= FINGERPRINT_WHOLE:
+            out.fingerprints[s.name] = print_
+        return (s.dtype, s.shape, print_)
 
     for base in bases:
         candidates[signature(base)].append(base)

@@ -42,7 +42,7 @@ from .delta import Encoder, stored_depth
 from .gc import wait_for_gc
 from .marker import create_vault, upgrade_vault
 from .objects import object_key
-from .pack import pack_groups, pack_parts, pack_table
+from .pack import PackWriter, pack_groups, pack_parts, pack_table
 from .records import next_name, record_key
 from .store import Store
 
@@ -148,7 +148,8 @@ def begin(store: Store, digests: Iterable[str], *, gc_wait: float) -> str:
     create_vault(store)
     intent = f"intents/{uuid.uuid4().hex}.json"
     doc = {"created": time.time(), "objects": sorted(set(digests))}
-    store.put(intent, json.dumps(doc).encode())
+    # Seen by every gc at once; a crash ends the save, so nothing needs it after one.
+    store.put(intent, json.dumps(doc).encode(), durable=False)
     try:
         wait_for_gc(store, gc_wait)
     except BaseException:
@@ -168,6 +169,7 @@ def store_missing(
     written: Callable[[str], object] | None = None,
     pack: bool = False,
     packs: list[str] | None = None,
+    writer: PackWriter | None = None,
 ) -> dict[str, int]:
     """Step 3: write each object the vault lacks, durably; return ``{digest: file bytes}``
     of those written (a frame's compressed size, see :mod:`.delta`).
@@ -191,6 +193,9 @@ def store_missing(
             of one each. Only for objects the compactor will take out again.
         packs: Where to add the file name of each pack written (the record names them,
             so that the compactor knows whose they are).
+        writer: A pack the objects were written into as they were hashed
+            (:class:`~.pack.PackWriter`): the missing ones it holds are staged with it,
+            and it is dropped if it holds none. Only with ``pack``.
     """
     pool = pool or workers()
     encoder = encoder or Encoder(CODECS[DEFAULT])
@@ -206,12 +211,16 @@ def store_missing(
     missing = [d for d, depth in zip(digests, sizes, strict=True) if depth is None]
     if writing is not None:
         writing(missing)
+    ready = [d for d in missing if d in writer.entries] if writer is not None else []
+    if writer is not None and not ready:
+        writer.discard()  # everything it holds was there already
+    missing = [d for d in missing if d not in set(ready)]
     packed = [d for d in missing if objects[d][0] < _pack.PACK_OBJECT] if pack else []
     if len(packed) < 2:
         packed = []
     chosen = set(packed)
     missing = [d for d in missing if d not in chosen] + packed
-    if packed:
+    if packed or ready:
         upgrade_vault(store)
 
     staged: dict[str, str] = {}
@@ -234,6 +243,14 @@ def store_missing(
         return data
 
     try:
+        if ready:
+            assert writer is not None
+            staged[writer.key] = writer.finish()
+            if packs is not None:
+                packs.append(writer.key.rsplit("/", 1)[-1])
+            for d in ready:
+                if written is not None:
+                    written(d)
         sizes_written = each(pool, put, missing[: len(missing) - len(packed)], written)
         for group in pack_groups([(d, objects[d][0]) for d in packed]):
             if wrote is None:
@@ -250,11 +267,16 @@ def store_missing(
                     written(d)
         # Every object durable and in place at once: one journal commit for the whole
         # save, where an fsync per object cost one each (see _base.atomic.batch_sync_ok).
-        store.publish(staged, sum(sizes_written))
+        store.publish(staged, sum(sizes_written) + sum(objects[d][0] for d in ready))
     except BaseException:
         store.discard(staged)
+        if writer is not None:
+            writer.discard()
         raise
-    return dict(zip(missing, sizes_written, strict=True))
+    return {
+        **dict(zip(missing, sizes_written, strict=True)),
+        **{d: objects[d][0] for d in ready},
+    }
 
 
 def commit_record(store: Store, doc: Mapping[str, Any], name: str | None) -> str:

@@ -35,7 +35,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import struct
 import threading
@@ -53,6 +55,7 @@ __all__ = [
     "PACK_BYTES",
     "PACK_OBJECT",
     "PackTable",
+    "PackWriter",
     "Packed",
     "encode_index",
     "find",
@@ -337,3 +340,78 @@ def find(store: Store, digest: str, *, refresh: bool = True) -> Packed | None:
 def forget(store: Store, name: str) -> None:
     """Forget pack ``name`` of ``store`` (it was found gone)."""
     pack_table(store).forget(name)
+
+
+class PackWriter:
+    """A pack written while a save hashes: each object it is handed goes to its own
+    offset in a temporary file at once, on the hashing thread, while its bytes are still
+    in the CPU's caches; :meth:`finish` appends the index.
+
+    Local stores only (it writes by offset). The temporary file becomes the pack only
+    when the save publishes it, after its intent is visible, as any staged file does; an
+    object handed here that the vault turns out to hold already is a harmless second copy.
+
+    Example:
+        >>> writer = PackWriter(store)
+        >>> writer.add(digest, data)          # from any thread
+        >>> staged[writer.key] = writer.finish()
+    """
+
+    def __init__(self, store: Store) -> None:
+        from .._base.atomic import open_temp
+
+        self.key = pack_key(new_pack_name())
+        path = store.local_path(self.key)
+        assert path is not None, "PackWriter writes local packs only"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._fd, self.token = open_temp(path)
+        self._lock = threading.Lock()
+        self._at = ALIGN
+        self._flushed = 0
+        self.entries: dict[str, tuple[int, int]] = {}
+        os.pwrite(self._fd, header(), 0)
+
+    def add(self, digest: str, data: bytes | memoryview) -> bool:
+        """Write object ``digest`` into the pack; False if it would pass
+        :data:`PACK_BYTES` (the caller then writes it the usual way)."""
+        from .._base.atomic import WRITEBACK_BYTES, start_writeback
+
+        view = memoryview(data).cast("B")
+        with self._lock:
+            if digest in self.entries:
+                return True
+            if self._at + view.nbytes > PACK_BYTES + ALIGN:
+                return False
+            offset = self._at
+            self._at = _up(offset + view.nbytes)
+            self.entries[digest] = (offset, view.nbytes)
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        with self._lock:
+            end = self._at
+            flush = end - self._flushed >= WRITEBACK_BYTES
+            start, self._flushed = self._flushed, end if flush else self._flushed
+        if flush:
+            start_writeback(self._fd, start, end - start)  # the disk starts meanwhile
+        return True
+
+    def finish(self) -> str:
+        """Append the index and close the file; the temporary file's name (the token
+        :meth:`Store.publish` takes)."""
+        tail = encode_index(self.entries)
+        at = self._at
+        done = 0
+        while done < len(tail):
+            done += os.pwrite(self._fd, tail[done:], at + done)
+        os.close(self._fd)
+        self._fd = -1
+        return self.token
+
+    def discard(self) -> None:
+        """Drop the temporary file (a failed save, or nothing in it was needed)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.token)

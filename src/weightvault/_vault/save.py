@@ -28,10 +28,12 @@ from .._file.layout import with_training
 from .._file.manifest import MANIFEST_KEY
 from .._file.sharing import Plan, Source, Stored, plan
 from .._file.writer import layout
+from . import pack as _pack
 from .checkpoint import VaultCheckpoint
 from .commit import begin, commit_record, each, each_grouped, release, store_missing, workers
 from .delta import Encoder
 from .objects import checksum, content_hash, is_temp
+from .pack import PackWriter
 from .records import VERSION, CheckpointRecord, parse_record, read_doc
 from .store import Store
 from .todo import mark
@@ -88,7 +90,12 @@ class Checksums(dict[str, str]):
 
 
 def _address(
-    pool: ThreadPoolExecutor, placed: Placed, sums: Checksums, progress: Progress | None
+    pool: ThreadPoolExecutor,
+    placed: Placed,
+    sums: Checksums,
+    progress: Progress | None,
+    writer: PackWriter | None = None,
+    fingerprints: Mapping[str, int] | None = None,
 ) -> dict[str, str]:
     """Every stored tensor's object name: each byte is hashed exactly once, on all cores.
 
@@ -99,7 +106,13 @@ def _address(
     memory again. The first save of a :class:`Checksums` leaves that to :func:`_store`
     (which checksums what it writes) and :func:`_checksum_rest` (the newest records, for
     the objects the vault holds).
+
+    With a ``writer``, an object under :data:`~.pack.PACK_OBJECT` bytes that this vault
+    instance has not seen before is written into its pack right after its hash, while
+    its bytes are in the caches: the one pass over them a save needs besides the hash.
+    A tensor the plan ``fingerprints`` whole already has its checksum (the same xxh3).
     """
+    prints = fingerprints or {}
     stored = [s for s, _ in placed]
     done = (lambda s: progress(s.nbytes)) if progress else None
     now = sums.consulted
@@ -108,7 +121,10 @@ def _address(
         view = memoryview(s.data()).cast("B")
         digest = content_hash(view)
         if now and digest not in sums:
-            sums[digest] = checksum(view)
+            if writer is not None and view.nbytes < _pack.PACK_OBJECT:
+                writer.add(digest, view)
+            known = prints.get(s.name)
+            sums[digest] = checksum(view) if known is None else f"{known:016x}"
         return digest
 
     hashes = each_grouped(pool, both, stored, lambda s: s.nbytes, done)
@@ -147,6 +163,7 @@ def _store(
     *,
     pack: bool = False,
     packs: list[str] | None = None,
+    writer: PackWriter | None = None,
 ) -> tuple[int, int]:
     """Write the objects the vault lacks; return the new raw bytes and the bytes their
     files hold. Checksums :func:`_address` left out are taken as the objects are written.
@@ -184,6 +201,7 @@ def _store(
         written=written,
         pack=pack,
         packs=packs,
+        writer=writer,
     )
     return sum(first[d].nbytes for d in new), sum(new.values())
 
@@ -241,15 +259,25 @@ def save_sources(
     p = with_training(plan(sources), training)
     placed = layout(p.stored)
     pool = workers()
-    digests = _address(pool, placed, sums, progress)
-    intent = begin(store, digests.values(), gc_wait=gc_wait)
+    # From a vault instance's second save on, what it has not seen is new: written into
+    # the save's pack as it is hashed (the first save, as a resumed run's, finds most of
+    # its objects in the vault, and would write them for nothing).
+    writer = PackWriter(store) if to_compact and store.local and sums.consulted else None
+    try:
+        digests = _address(pool, placed, sums, progress, writer, p.fingerprints)
+        intent = begin(store, digests.values(), gc_wait=gc_wait)
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
     try:
         # Raw bytes: compression and deltas are the compactor's, after the commit.
         # Small new objects go into one pack file, which the compactor takes apart.
         packs: list[str] = []
         new_bytes, written = _store(
-            store, pool, placed, digests, sums, Encoder(), progress, pack=to_compact, packs=packs
-        )
+            store, pool, placed, digests, sums, Encoder(), progress,
+            pack=to_compact, packs=packs, writer=writer,
+        )  # fmt: skip
         _checksum_rest(store, pool, placed, digests, sums)
         doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
         doc["written_bytes"] = written
@@ -262,4 +290,6 @@ def save_sources(
             mark(store, name)
     finally:
         release(store, [intent])
+        if writer is not None:
+            writer.discard()  # a no-op once published; a failed save leaves nothing
     return parse_record(name, doc, name)

@@ -42,8 +42,15 @@ class Store:
     url: str
     local: bool = False
 
-    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
-        """Write ``data`` at ``key`` durably; with ``exclusive``, return False if it exists."""
+    def put(
+        self, key: str, data: bytes | memoryview, *, exclusive: bool = False, durable: bool = True
+    ) -> bool:
+        """Write ``data`` at ``key`` durably; with ``exclusive``, return False if it exists.
+
+        ``durable=False`` is for files that other processes only need to see, whole (a
+        save's intent, the compactor's to-do marker): a local store then skips the
+        fsync, so a power loss may take them. Object stores are durable anyway.
+        """
         raise NotImplementedError
 
     def get(self, key: str) -> bytes:
@@ -142,11 +149,13 @@ class LocalStore(Store):
     def local_path(self, key: str) -> str | None:
         return self._path(key)
 
-    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
+    def put(
+        self, key: str, data: bytes | memoryview, *, exclusive: bool = False, durable: bool = True
+    ) -> bool:
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # The vault syncs the folders of a commit once (see sync), not per object.
-        with atomic_file(path, exclusive=exclusive, sync_dir=False) as out:
+        with atomic_file(path, exclusive=exclusive, sync_dir=False, durable=durable) as out:
             write_all(out.fd, data)
         return out.created
 
@@ -276,7 +285,9 @@ class FsspecStore(Store):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> bool:
+    def put(
+        self, key: str, data: bytes | memoryview, *, exclusive: bool = False, durable: bool = True
+    ) -> bool:
         payload = bytes(data) if isinstance(data, memoryview) else data
         try:
             self.fs.pipe_file(self._path(key), payload, mode="create" if exclusive else "overwrite")

@@ -29,8 +29,12 @@ def todo_key(name: str) -> str:
 
 
 def mark(store: Store, name: str) -> None:
-    """Leave checkpoint ``name`` to the compactor (called once its record is committed)."""
-    store.put(todo_key(name), b"{}")
+    """Leave checkpoint ``name`` to the compactor (called once its record is committed).
+
+    Not fsynced: a marker a power loss takes leaves its checkpoint raw, loadable and
+    whole, and the next checkpoint's compaction still encodes its objects.
+    """
+    store.put(todo_key(name), b"{}", durable=False)
 
 
 def pending(store: Store) -> list[str]:
