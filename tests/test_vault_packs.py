@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -441,3 +442,138 @@ def test_prefetch_reads_each_pack_once_for_all_its_objects(
     got = prefetch(vault.store, list(digests))
     assert asked == [[f"packs/{packs(tmp_path)[0].name}"]]
     assert got == digests
+
+
+# -- the pack written while hashing ----------------------------------------------------
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob(".*") if p.is_file()]
+
+
+def test_a_later_save_writes_its_new_objects_into_the_pack_as_it_hashes(tmp_path: Path) -> None:
+    vault = Vault(tmp_path, compaction=None)
+    vault.save(arrays(0))
+    second = arrays(1)
+    record = vault.save(second)
+    # The second save's pack came from the writer (the first save had no seen objects):
+    # it holds exactly the new objects, and the record names it.
+    doc = json.loads((tmp_path / "checkpoints" / f"{record.name}.json").read_text())
+    (mine,) = doc["packs"]
+    new = {content_hash(a.tobytes()) for a in second.values()} - {content_hash(b"")}
+    assert set(index_of(tmp_path / "packs" / mine)) == new
+    assert temp_files(tmp_path) == []
+    assert_loads(vault, record.name, second)
+    assert vault.verify().ok
+
+
+def test_an_object_another_writer_stored_meanwhile_is_a_harmless_second_copy(
+    tmp_path: Path,
+) -> None:
+    ours = Vault(tmp_path, compaction=None)
+    ours.save(arrays(0))
+    theirs = Vault(tmp_path, compaction=None)
+    theirs.save(arrays(2), name="theirs")  # holds what our next save will hash as new
+    record = ours.save(arrays(2))
+    assert_loads(ours, record.name, arrays(2))
+    assert_loads(ours, "theirs", arrays(2))
+    # Nothing of our save was missing, so its writer's file was dropped, not published.
+    assert record.new_bytes == 0 and temp_files(tmp_path) == []
+    assert ours.verify().ok
+
+
+def test_a_save_that_fails_after_hashing_leaves_no_pack_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightvault._vault import commit
+
+    vault = Vault(tmp_path, compaction=None)
+    vault.save(arrays(0))
+    before = packs(tmp_path)
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(commit, "commit_record", full)
+    monkeypatch.setattr("weightvault._vault.save.commit_record", full)
+    with pytest.raises(OSError, match="No space"):
+        vault.save(arrays(3))
+    assert temp_files(tmp_path) == []
+    # The pack was published before the record failed: unreferenced, gc frees it.
+    assert len(packs(tmp_path)) == len(before) + 1
+    vault.gc()
+    assert [r.name for r in vault.list()] == ["000001"]
+    assert_loads(vault, "000001", arrays(0))
+    assert packs(tmp_path) == []  # 000001 compacted, the orphan freed
+
+
+# -- faults during compaction, with packs ----------------------------------------------
+
+
+def test_sigkill_while_packs_are_taken_apart_loses_nothing(tmp_path: Path) -> None:
+    from test_vault_compaction import BOUND, _compact_child, history, loads_exactly
+
+    vault = Vault(tmp_path, compaction=None, delta_chain=2)
+    expected = history(vault, 6, tensors=8)
+    assert len(packs(tmp_path)) == 6
+    for k in range(12):
+        if not packs(tmp_path):
+            break
+        child = _compact_child(tmp_path, 0.01)
+        time.sleep(0.6 + 0.15 * k)  # the import takes about half a second
+        child.kill()
+        child.wait(BOUND)
+        loads_exactly(Vault(tmp_path, compaction=None), expected)  # a fresh reader each time
+        assert vault.verify().ok
+    vault.compact()  # what the kills left is picked up
+    assert packs(tmp_path) == []  # (a killed child leaves temporary files: gc takes them)
+    loads_exactly(vault, expected)
+    assert vault.verify().ok
+
+
+def test_two_processes_taking_packs_apart_lose_nothing(tmp_path: Path) -> None:
+    from test_vault_compaction import BOUND, _compact_child, history, loads_exactly
+
+    vault = Vault(tmp_path, compaction=None)
+    expected = history(vault, 5, tensors=8)
+    children = [_compact_child(tmp_path, 0.002) for _ in range(2)]
+    outs = [c.communicate(timeout=BOUND) for c in children]
+    assert [c.returncode for c in children] == [0, 0], outs
+    assert packs(tmp_path) == []
+    loads_exactly(vault, expected)
+    assert vault.verify().ok
+
+
+def test_loads_and_gc_while_packs_are_taken_apart_succeed(tmp_path: Path) -> None:
+    from test_vault_compaction import BOUND, history, loads_exactly
+    from weightvault._vault.compact import compact
+
+    writer = Vault(tmp_path, compaction=None)
+    expected = history(writer, 5, tensors=8)
+    writer.delete("000003")  # its pack holds only what no checkpoint names now
+    del expected[2]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            compact(writer.store, writer.storage, pause=lambda: time.sleep(0.003))
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    reader = Vault(tmp_path)
+    rounds = 0
+    while not done.is_set() or rounds == 0:
+        loads_exactly(reader, expected)
+        reader.gc()
+        rounds += 1
+    thread.join(BOUND)
+    assert not thread.is_alive() and errors == []
+    reader.gc()
+    assert packs(tmp_path) == []
+    loads_exactly(reader, expected)
+    assert reader.verify().ok

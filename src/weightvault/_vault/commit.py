@@ -214,7 +214,8 @@ def store_missing(
     ready = [d for d in missing if d in writer.entries] if writer is not None else []
     if writer is not None and not ready:
         writer.discard()  # everything it holds was there already
-    missing = [d for d in missing if d not in set(ready)]
+    taken = set(ready)
+    missing = [d for d in missing if d not in taken]
     packed = [d for d in missing if objects[d][0] < _pack.PACK_OBJECT] if pack else []
     if len(packed) < 2:
         packed = []
