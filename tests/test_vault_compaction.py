@@ -303,11 +303,9 @@ def test_two_processes_compacting_lose_nothing(tmp_path: Path) -> None:
     assert vault.verify().ok
 
 
-def test_loads_and_gc_during_compaction_succeed(tmp_path: Path) -> None:
-    writer = Vault(tmp_path, compaction=None)
-    expected = history(writer, 5, tensors=8)
-    writer.delete("000003")
-    del expected[2]
+def loads_and_gcs_during_compaction(root: Path, writer: Vault, expected: list[Any]) -> Vault:
+    """Compact ``writer``'s vault in a thread while another ``Vault`` on ``root`` loads
+    every checkpoint and runs gc in a loop; that reader, once all has passed."""
     done = threading.Event()
     errors: list[BaseException] = []
 
@@ -321,16 +319,25 @@ def test_loads_and_gc_during_compaction_succeed(tmp_path: Path) -> None:
 
     thread = threading.Thread(target=compact)
     thread.start()
-    reader = Vault(tmp_path)
+    reader = Vault(root)
     rounds = 0
     while not done.is_set() or rounds == 0:
         loads_exactly(reader, expected)
         reader.gc()  # finds the compactor busy, collects what no checkpoint needs
         rounds += 1
     thread.join(BOUND)
-    assert not errors and rounds >= 1
+    assert not thread.is_alive() and not errors and rounds >= 1
     loads_exactly(reader, expected)
     assert reader.verify().ok
+    return reader
+
+
+def test_loads_and_gc_during_compaction_succeed(tmp_path: Path) -> None:
+    writer = Vault(tmp_path, compaction=None)
+    expected = history(writer, 5, tensors=8)
+    writer.delete("000003")
+    del expected[2]
+    loads_and_gcs_during_compaction(tmp_path, writer, expected)
 
 
 # -- vaults of earlier versions -------------------------------------------------------------------

@@ -545,35 +545,13 @@ def test_two_processes_taking_packs_apart_lose_nothing(tmp_path: Path) -> None:
 
 
 def test_loads_and_gc_while_packs_are_taken_apart_succeed(tmp_path: Path) -> None:
-    from test_vault_compaction import BOUND, history, loads_exactly
-    from weightvault._vault.compact import compact
+    from test_vault_compaction import history, loads_and_gcs_during_compaction, loads_exactly
 
     writer = Vault(tmp_path, compaction=None)
     expected = history(writer, 5, tensors=8)
     writer.delete("000003")  # its pack holds only what no checkpoint names now
     del expected[2]
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            compact(writer.store, writer.storage, pause=lambda: time.sleep(0.003))
-        except BaseException as e:
-            errors.append(e)
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    reader = Vault(tmp_path)
-    rounds = 0
-    while not done.is_set() or rounds == 0:
-        loads_exactly(reader, expected)
-        reader.gc()
-        rounds += 1
-    thread.join(BOUND)
-    assert not thread.is_alive() and errors == []
+    reader = loads_and_gcs_during_compaction(tmp_path, writer, expected)
     reader.gc()
     assert packs(tmp_path) == []
     loads_exactly(reader, expected)
-    assert reader.verify().ok
