@@ -30,7 +30,7 @@ one per store, and lists ``packs/`` again only when an object is in none of them
 Example:
     >>> offsets, index_at = layout([10, 100])
     >>> offsets, index_at
-    ([64, 128], 228)
+    ([64, 128], 256)
 """
 
 from __future__ import annotations
