@@ -555,3 +555,15 @@ def test_loads_and_gc_while_packs_are_taken_apart_succeed(tmp_path: Path) -> Non
     reader.gc()
     assert packs(tmp_path) == []
     loads_exactly(reader, expected)
+
+
+def test_an_intent_emptied_by_a_power_loss_does_not_stop_gc(tmp_path: Path) -> None:
+    # Intents are not fsynced; after a crash one may be an empty file.
+    vault = Vault(tmp_path, compaction=None)
+    vault.save(arrays(0))
+    vault.delete("000001")
+    empty = tmp_path / "intents" / f"{uuid.uuid4().hex}.json"
+    empty.parent.mkdir(exist_ok=True)
+    empty.write_bytes(b"")
+    assert vault.gc() > 0
+    assert not empty.exists() and packs(tmp_path) == []

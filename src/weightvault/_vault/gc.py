@@ -235,6 +235,11 @@ def _intent_objects(store: Store, beat: Beat, expire_before: float | None) -> se
         if expire_before is not None and blob.mtime < expire_before:
             store.delete(blob.key)  # its save died
             continue
+        if blob.size == 0:
+            # Intents are not fsynced (they only need to be seen): a power loss can leave
+            # one empty. A live save's intent is renamed into place whole, never empty.
+            store.delete(blob.key)
+            continue
         try:
             doc = json.loads(store.get(blob.key))
             live |= {str(h) for h in doc["objects"]}
