@@ -289,13 +289,18 @@ def test_sigkill_during_compaction_loses_nothing(tmp_path: Path) -> None:
     assert sum(kept.values()) < 0.75 * (6 * 8 + 1) * (1 << 16)
 
 
+def compact_in_two_processes(root: Path) -> list[str]:
+    """Two child processes compacting the vault at ``root`` at once; what each printed."""
+    children = [_compact_child(root, 0.002) for _ in range(2)]
+    outs = [c.communicate(timeout=BOUND) for c in children]
+    assert [c.returncode for c in children] == [0, 0], outs
+    return [o for o, _ in outs]
+
+
 def test_two_processes_compacting_lose_nothing(tmp_path: Path) -> None:
     vault = Vault(tmp_path, compaction=None)
     expected = history(vault, 5, tensors=8)
-    children = [_compact_child(tmp_path, 0.002) for _ in range(2)]
-    outs = [c.communicate(timeout=BOUND) for c in children]
-    assert [c.returncode for c in children] == [0, 0], outs
-    said = [o.strip().split() for o, _ in outs]
+    said = [o.strip().split() for o in compact_in_two_processes(tmp_path)]
     # One compacted everything, or one found the other at work (busy) and left it.
     assert sum(int(s[1]) for s in said) == 5
     assert compact_module.pending(vault.store) == []

@@ -532,13 +532,11 @@ def test_sigkill_while_packs_are_taken_apart_loses_nothing(tmp_path: Path) -> No
 
 
 def test_two_processes_taking_packs_apart_lose_nothing(tmp_path: Path) -> None:
-    from test_vault_compaction import BOUND, _compact_child, history, loads_exactly
+    from test_vault_compaction import compact_in_two_processes, history, loads_exactly
 
     vault = Vault(tmp_path, compaction=None)
     expected = history(vault, 5, tensors=8)
-    children = [_compact_child(tmp_path, 0.002) for _ in range(2)]
-    outs = [c.communicate(timeout=BOUND) for c in children]
-    assert [c.returncode for c in children] == [0, 0], outs
+    compact_in_two_processes(tmp_path)
     assert packs(tmp_path) == []
     loads_exactly(vault, expected)
     assert vault.verify().ok

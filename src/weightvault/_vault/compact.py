@@ -53,7 +53,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +62,8 @@ from .._base.errors import CheckpointNotFoundError, FormatError
 from .commit import begin, release
 from .delta import Parts, Storage, delta_wins, encode_delta, encode_full, size_of
 from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
-from .objects import checksum, content_hash, object_key, read_object
-from .pack import find, pack_key, pack_table
+from .objects import checksum, content_hash, object_key, read_object, write_loose
+from .pack import Packed, find, pack_key, pack_table
 from .records import parse_record, read_doc, record_key, record_names
 from .store import Store
 from .todo import TODO, held_packs, mark, pending, todo_key
@@ -603,31 +603,32 @@ def _take_out(work: _Work, records: _Records, held_by: set[str], pause: Callable
             named.setdefault(digest, (name, tensor, nbytes))
     packs = {k: v for k, v in packs.items() if k not in held}
     for pack, index in sorted(packs.items()):
-        staged: dict[str, str] = {}
-        try:
-            for digest, where in index.items():
-                if digest not in named or store.exists(object_key(digest)):
-                    continue
-                ckpt, tensor, nbytes = named[digest]
-                if where.size != nbytes:
-                    continue  # not the object that record names: the load reports it
-                pause()
-                try:
-                    raw = work.raw(digest, nbytes, f"{ckpt}: {tensor}")
-                except _Damaged:
-                    continue
-                staged[object_key(digest)] = store.stage(object_key(digest), [raw])
-                work.report.unpacked += 1
-            store.publish(staged, sum(index[k.rsplit("/", 1)[-1]].size for k in staged))
-        except BaseException:
-            store.discard(staged)
-            raise
+        work.report.unpacked += write_loose(store, _leftovers(work, index, named, pause))
         if all(store.exists(object_key(d)) for d in index):
             # Every object is loose now, and loose objects win every lookup: a reader
             # that found one in this pack and then cannot open it looks again.
             store.delete(pack_key(pack))
             table.forget(pack)
             work.report.packs_deleted += 1
+
+
+def _leftovers(
+    work: _Work,
+    index: dict[str, Packed],
+    named: dict[str, tuple[str, str, int]],
+    pause: Callable[[], None],
+) -> Iterator[tuple[str, memoryview]]:
+    """The verified raw bytes of each object of a pack that a record names and that has
+    no loose copy yet (a damaged one is reported and left)."""
+    for digest, where in index.items():
+        if digest not in named or work.store.exists(object_key(digest)):
+            continue
+        ckpt, tensor, nbytes = named[digest]
+        if where.size != nbytes:
+            continue  # not the object that record names: the load reports it
+        pause()
+        with contextlib.suppress(_Damaged):
+            yield digest, work.raw(digest, nbytes, f"{ckpt}: {tensor}")
 
 
 class _Stopped(Exception):

@@ -24,6 +24,7 @@ from .codec import STORED, Codec, compress_block
 from .diff import delta_kind, make_delta
 from .frame import encode_frame, is_frame
 from .objects import object_key
+from .pack import find, pack_key
 from .store import Store
 
 __all__ = [
@@ -73,7 +74,6 @@ def stored_depth(
     intent is visible.
     """
     from .frame import parse_frame_header
-    from .pack import find, pack_key
 
     key = object_key(digest)
     size = store.size(key)

@@ -32,11 +32,19 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
 from .checkpoint import open_record
-from .objects import DIGEST, content_hash, is_temp, object_key, read_object, with_bases
+from .objects import (
+    DIGEST,
+    content_hash,
+    is_temp,
+    object_key,
+    read_object,
+    with_bases,
+    write_loose,
+)
 from .pack import PACKS, Packed, is_pack, pack_key, pack_table, read_index
 from .records import read_doc, record_names
 from .store import Blob, Store
@@ -310,29 +318,21 @@ def _remove_dead_temps(store: Store, now: float) -> int:
 _MovedPack = tuple[Blob, str, dict[str, Packed]]
 
 
-def _held_by_compactor(store: Store) -> set[str]:
-    """The packs of checkpoints the compactor has not finished: it takes them apart
-    itself (a gc must not write their objects loose first, only to see them rewritten)."""
-    return held_packs(store, set(pending(store)))
-
-
 def _copy_out(store: Store, index: dict[str, Packed], digests: list[str]) -> None:
     """Write ``digests`` loose, raw, from their pack, each checked against its name."""
-    staged: dict[str, str] = {}
-    try:
+
+    def checked() -> Iterator[tuple[str, memoryview]]:
         for digest in digests:
             raw = read_object(store, digest, index[digest].size)
-            if content_hash(raw) != digest:
+            if content_hash(raw) == digest:
+                yield digest, raw
+            else:
                 log.warning(
                     "%s: object %s in pack %s does not match its name; left in its pack",
                     store.url, digest[:12], index[digest].pack,
                 )  # fmt: skip
-                continue
-            staged[object_key(digest)] = store.stage(object_key(digest), raw)
-        store.publish(staged, sum(index[d].size for d in digests))
-    except BaseException:
-        store.discard(staged)
-        raise
+
+    write_loose(store, checked())
 
 
 def _move_packs(store: Store, gc_id: str, live: set[str], beat: Beat) -> list[_MovedPack]:
@@ -355,7 +355,10 @@ def _move_packs(store: Store, gc_id: str, live: set[str], beat: Beat) -> list[_M
             continue
         stranded = [d for d in index if d in live and not store.exists(object_key(d))]
         if stranded:
-            held = _held_by_compactor(store) if held is None else held
+            if held is None:
+                # The packs of checkpoints the compactor has not finished: it takes them
+                # apart itself (written loose here, they would only be rewritten).
+                held = held_packs(store, set(pending(store)))
             dead = sum(p.size for d, p in index.items() if d not in live)
             if leaf in held or 2 * dead < blob.size:
                 continue

@@ -22,7 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import blake3
 import xxhash
@@ -70,6 +70,7 @@ __all__ = [
     "read_object",
     "read_range",
     "with_bases",
+    "write_loose",
 ]
 
 #: An object's name: a blake3 hex digest.
@@ -191,8 +192,6 @@ def _packed_view(store: Store, key: str, where: Packed) -> memoryview:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size < end:
             raise FormatError(f"{path}: the pack ended before its objects did (truncated)")
-        if where.size == 0:
-            return memoryview(bytearray())
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))[where.offset : end]
 
 
@@ -628,6 +627,23 @@ def _prefetch_packed(store: Store, digests: list[str], out: dict[str, bytes]) ->
         data = got[pack_key(w.pack)]
         if w.offset + w.size <= len(data):
             out[digest] = bytes(memoryview(data)[w.offset : w.offset + w.size])
+
+
+def write_loose(store: Store, objects: Iterable[tuple[str, bytes | memoryview]]) -> int:
+    """Write each ``(digest, raw bytes)`` as a file of its own under ``objects/``, all
+    made durable and put in place at once, as a save's are; how many were written. On
+    any error nothing of them is left (what was staged is discarded)."""
+    staged: dict[str, str] = {}
+    nbytes = 0
+    try:
+        for digest, raw in objects:
+            staged[object_key(digest)] = store.stage(object_key(digest), [raw])
+            nbytes += memoryview(raw).nbytes
+        store.publish(staged, nbytes)
+    except BaseException:
+        store.discard(staged)
+        raise
+    return len(staged)
 
 
 def damaged(where: str, stored: str, what: str) -> FormatError:

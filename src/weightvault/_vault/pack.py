@@ -46,6 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._base.atomic import WRITEBACK_BYTES, open_temp, start_writeback
 from .._base.errors import FormatError
 from .store import Store
 
@@ -358,8 +359,6 @@ class PackWriter:
     """
 
     def __init__(self, store: Store) -> None:
-        from .._base.atomic import open_temp
-
         self.key = pack_key(new_pack_name())
         path = store.local_path(self.key)
         assert path is not None, "PackWriter writes local packs only"
@@ -374,8 +373,6 @@ class PackWriter:
     def add(self, digest: str, data: bytes | memoryview) -> bool:
         """Write object ``digest`` into the pack; False if it would pass
         :data:`PACK_BYTES` (the caller then writes it the usual way)."""
-        from .._base.atomic import WRITEBACK_BYTES, start_writeback
-
         view = memoryview(data).cast("B")
         with self._lock:
             if digest in self.entries:

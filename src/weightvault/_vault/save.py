@@ -266,30 +266,27 @@ def save_sources(
     try:
         digests = _address(pool, placed, sums, progress, writer, p.fingerprints)
         intent = begin(store, digests.values(), gc_wait=gc_wait)
-    except BaseException:
-        if writer is not None:
-            writer.discard()
-        raise
-    try:
-        # Raw bytes: compression and deltas are the compactor's, after the commit.
-        # Small new objects go into one pack file, which the compactor takes apart.
-        packs: list[str] = []
-        new_bytes, written = _store(
-            store, pool, placed, digests, sums, Encoder(), progress,
-            pack=to_compact, packs=packs, writer=writer,
-        )  # fmt: skip
-        _checksum_rest(store, pool, placed, digests, sums)
-        doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
-        doc["written_bytes"] = written
-        if packs:
-            doc["packs"] = packs  # whose packs they are: the compactor leaves the newest's
-        name = commit_record(store, doc, name)
-        if to_compact:
-            # A crash just here leaves the checkpoint raw (loadable, only larger), and
-            # the next checkpoint's compaction still encodes its objects.
-            mark(store, name)
+        try:
+            # Raw bytes: compression and deltas are the compactor's, after the commit.
+            # Small new objects go into one pack file, which the compactor takes apart.
+            packs: list[str] = []
+            new_bytes, written = _store(
+                store, pool, placed, digests, sums, Encoder(), progress,
+                pack=to_compact, packs=packs, writer=writer,
+            )  # fmt: skip
+            _checksum_rest(store, pool, placed, digests, sums)
+            doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
+            doc["written_bytes"] = written
+            if packs:
+                doc["packs"] = packs  # whose packs they are: the compactor leaves the newest's
+            name = commit_record(store, doc, name)
+            if to_compact:
+                # A crash just here leaves the checkpoint raw (loadable, only larger), and
+                # the next checkpoint's compaction still encodes its objects.
+                mark(store, name)
+        finally:
+            release(store, [intent])
     finally:
-        release(store, [intent])
         if writer is not None:
             writer.discard()  # a no-op once published; a failed save leaves nothing
     return parse_record(name, doc, name)

@@ -128,11 +128,12 @@ def vault_usage(store: Store) -> VaultUsage:
     pairs = list_docs(store)
     table = pack_table(store)
     table.refresh(store)
+    listed = store.list("")
     # An object in a save's pack (until the compactor takes it out) takes its raw size.
     sizes = {d: p.size for index in table.packs().values() for d, p in index.items()}
-    loose = {b.key.rsplit("/", 1)[-1]: b.size for b in store.list("objects")}
+    loose = {b.key.rsplit("/", 1)[-1]: b.size for b in listed if b.key.startswith("objects/")}
     sizes.update(loose)
-    packs = sum(b.size for b in store.list(PACKS))
+    packs = sum(b.size for b in listed if b.key.startswith(f"{PACKS}/"))
     todo = set(pending(store))
     seen: set[str] = set()
     checkpoints = []
@@ -143,7 +144,7 @@ def vault_usage(store: Store) -> VaultUsage:
             )
         )
     raw = sum(c.raw_bytes for c in checkpoints)
-    disk = sum(b.size for b in store.list(""))
+    disk = sum(b.size for b in listed)
     return VaultUsage(
         records=[r for r, _ in pairs],
         checkpoints=checkpoints,
