@@ -36,7 +36,7 @@ from ._load import rules as _rules
 from ._load.plan import LoadOptions, RulesArg, Target, plan_load
 from ._load.steps import save_file, values_by_group
 from ._load.transforms import Transforms
-from ._torch import assign as _assign, state as _torch_state
+from ._torch import assign as _assign, staging as _staging, state as _torch_state
 from ._torch.sources import model_sources
 from ._torch.tensors import (
     DTYPES as DTYPES,
@@ -64,13 +64,22 @@ def checkpoint_sources(
     """Model, optimizer, scheduler and RNG as sources plus the manifest's training section.
 
     With ``snapshot``, what training can change is copied now; a :class:`SnapshotPool`
-    (the vault's) lends the buffers of the previous background save for the copies.
+    (the vault's) lends the buffers of the previous background save for the copies. A
+    pool that defers copies trainable parameters and optimizer state only when the save
+    stages it, and every optimizer step waits for that (:mod:`._torch.staging`).
     """
     copy: bool | SnapshotPool = False if snapshot is None else snapshot
-    sources, skipped = model_sources(obj, snapshot=copy)
-    extra, training = _torch_state.training_sources(
-        obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=copy
-    )
+    try:
+        sources, skipped = model_sources(obj, snapshot=copy)
+        extra, training = _torch_state.training_sources(
+            obj, optimizer=optimizer, scheduler=scheduler, rng=rng, snapshot=copy
+        )
+    except BaseException:
+        if snapshot is not None:
+            snapshot.cancel()  # no save will stage what was queued
+        raise
+    if snapshot is not None:
+        _staging.guard(snapshot)
     return sources + extra, skipped, training
 
 
@@ -278,6 +287,7 @@ def _load(
         prepared = _torch_state.prepare(
             ckpt, model, lp, options, optimizer=optimizer, scheduler=scheduler, rng=rng
         )
+        _staging.wait_staged()  # a background vault save may still be copying them
         _assign.assign_all(ckpt, lp, tensors, mmap=mmap, verify=options.verify)
         if options.tie:
             _assign.tie(model, lp.tie)

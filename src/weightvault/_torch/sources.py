@@ -35,25 +35,34 @@ def _check_value(name: str, value: Any) -> None:
         )
 
 
-def _copy_storage(storage: torch.UntypedStorage, pool: SnapshotPool | None) -> Any:
-    """A copy of ``storage``, into a buffer of the previous snapshot when there is one."""
+def _copy_storage(
+    storage: torch.UntypedStorage, pool: SnapshotPool | None, later: bool = False
+) -> Any:
+    """A copy of ``storage``, into a buffer of the previous snapshot when there is one;
+    made by the save's thread if ``later`` (see :mod:`.staging`)."""
     if pool is None:
         return storage.clone()  # type: ignore[no-untyped-call]
-    return pool.copy(
-        (str(storage.device), storage.nbytes()),
-        storage.clone,
-        lambda buffer: buffer.copy_(storage),
-    )
+    key = (str(storage.device), storage.nbytes())
+    if later:
+        return pool.later(
+            key,
+            lambda: torch.UntypedStorage(storage.nbytes(), device=storage.device),  # type: ignore[no-untyped-call]
+            lambda buffer: buffer.copy_(storage),
+        )
+    return pool.copy(key, storage.clone, lambda buffer: buffer.copy_(storage))
 
 
 def _snapshot(
-    t: torch.Tensor, copies: dict[Any, torch.UntypedStorage], pool: SnapshotPool | None = None
+    t: torch.Tensor,
+    copies: dict[Any, torch.UntypedStorage],
+    pool: SnapshotPool | None = None,
+    later: bool = False,
 ) -> torch.Tensor:
     """A tensor with ``t``'s layout over a copy of its storage (one copy per storage)."""
     storage = t.untyped_storage()
     key = (str(t.device), storage.data_ptr())
     if key not in copies:
-        copies[key] = _copy_storage(storage, pool)
+        copies[key] = _copy_storage(storage, pool, later)
     twin = torch.empty(0, dtype=t.dtype, device=t.device)
     return twin.set_(copies[key], t.storage_offset(), t.shape, t.stride())
 
@@ -105,6 +114,11 @@ def model_sources(
                 resolved[identity] = value.detach().resolve_conj().resolve_neg()
             value = resolved[identity]
         elif snapshot and not frozen and value.numel() > 0 and value.device.type != "meta":
-            twin = _snapshot(value.detach(), copies, pool)
+            # Only an optimizer step changes a trainable parameter, and steps wait for
+            # the save's copies (see staging.py); a buffer may change in a forward pass.
+            # A GPU copy is queued on the device at once anyway, and fast.
+            trained = isinstance(value, nn.Parameter) and value.requires_grad
+            later = trained and value.device.type == "cpu"
+            twin = _snapshot(value.detach(), copies, pool, later=later)
         sources.append(tensor_source(name, value, identity, frozen, twin))
     return sources, skipped

@@ -55,11 +55,17 @@ def _param_names(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[int, list[
 
 
 def _private_copy(t: torch.Tensor, pool: SnapshotPool | None) -> torch.Tensor:
-    """A copy of ``t``, into a buffer of the previous snapshot when there is one."""
+    """A copy of ``t``, into a buffer of the previous snapshot when there is one, made by
+    the save's thread when the pool defers (optimizer state changes only in a step, and
+    steps wait for it: see staging.py)."""
     if pool is None:
         return t.clone()
     key = ("tensor", str(t.device), t.dtype, tuple(t.shape))
-    return pool.copy(key, t.clone, lambda buffer: buffer.copy_(t))  # type: ignore[no-any-return]
+    if t.device.type != "cpu":  # a GPU copy is queued on the device at once anyway
+        return pool.copy(key, t.clone, lambda buffer: buffer.copy_(t))  # type: ignore[no-any-return]
+    return pool.later(  # type: ignore[no-any-return]
+        key, lambda: torch.empty_like(t), lambda buffer: buffer.copy_(t)
+    )
 
 
 def _tensor_source(name: str, t: torch.Tensor, snapshot: bool | SnapshotPool) -> Source:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._base.background import SaveHandle, SnapshotPool
+from .._base.pools import LazyPool
 from .._base.progress import Progress as Bar
 from .._file.layout import is_training
 from .._file.sharing import Source
@@ -137,7 +138,8 @@ class Vault:
         self.storage = Storage(codec_named(compression, self.store.url), max_chain=delta_chain)
         self._compactor = Compactor(self._compact_pass)
         self._pending: SaveHandle[CheckpointRecord] | None = None
-        self._snapshots = SnapshotPool()
+        self._snapshots = SnapshotPool(deferred=True)
+        self._saver = LazyPool(1, "weightvault-background-save")
         self._sums = Checksums()
         #: Checkpoints a mirror has queued and not pushed yet: retention leaves them
         #: whole until it has (see :meth:`_spare`).
@@ -213,9 +215,12 @@ class Vault:
         adapter = adapter_for(model)
         snapshot = self._snapshots if background else None
         sources, training = _sources(adapter, model, optimizer, scheduler, rng, snapshot)
-        _check_names(sources, training, metadata, self.url)
-
-        bar = _bar(progress, sources, name)
+        try:
+            _check_names(sources, training, metadata, self.url)
+            bar = _bar(progress, sources, name)
+        except BaseException:
+            self._snapshots.cancel()  # no save will stage what the adapter queued
+            raise
 
         def work() -> CheckpointRecord:
             try:
@@ -254,11 +259,14 @@ class Vault:
     ) -> SaveHandle[CheckpointRecord]:
         def run() -> CheckpointRecord:
             try:
+                self._snapshots.stage()  # the copies the adapter queued, first
                 return work()
             finally:
                 self._snapshots.release()  # read in full: the next snapshot may reuse them
 
-        self._pending = SaveHandle(run, f"vault save {name or '(next)'}")
+        self._pending = SaveHandle(
+            run, f"vault save {name or '(next)'}", self._saver(), self._snapshots.staged
+        )
         return self._pending
 
     def _settle(self) -> None:
