@@ -467,18 +467,25 @@ def test_a_later_save_writes_its_new_objects_into_the_pack_as_it_hashes(tmp_path
     assert vault.verify().ok
 
 
-def test_an_object_another_writer_stored_meanwhile_is_a_harmless_second_copy(
+def test_an_object_another_writer_stored_meanwhile_is_a_harmless_second_copy_until_compacted(
     tmp_path: Path,
 ) -> None:
     ours = Vault(tmp_path, compaction=None)
     ours.save(arrays(0))
     theirs = Vault(tmp_path, compaction=None)
     theirs.save(arrays(2), name="theirs")  # holds what our next save will hash as new
+    before = set(packs(tmp_path))
     record = ours.save(arrays(2))
     assert_loads(ours, record.name, arrays(2))
     assert_loads(ours, "theirs", arrays(2))
-    # Nothing of our save was missing, so its writer's file was dropped, not published.
-    assert record.new_bytes == 0 and temp_files(tmp_path) == []
+    # Our writer's pack is published unchecked: a second copy of what theirs stored.
+    assert record.new_bytes > 0 and temp_files(tmp_path) == []
+    assert len(set(packs(tmp_path)) - before) == 1
+    assert ours.verify().ok
+    ours.compact()  # one copy of each object stays, loose; every pack is gone
+    assert packs(tmp_path) == []
+    assert_loads(ours, record.name, arrays(2))
+    assert_loads(ours, "theirs", arrays(2))
     assert ours.verify().ok
 
 

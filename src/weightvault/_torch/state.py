@@ -25,7 +25,7 @@ from .._load.plan import LoadOptions, LoadPlan
 from .._load.resume import check_optimizer_class, training_doc
 from .._training import codec as _codec
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
-from .tensors import _dtype_name, stored_tensor, tensor_bytes
+from .tensors import _dtype_name, bytes_reader, stored_tensor
 from .wrappers import unwrap
 
 Optimizer = torch.optim.Optimizer
@@ -72,9 +72,7 @@ def _tensor_source(name: str, t: torch.Tensor, snapshot: bool | SnapshotPool) ->
     if snapshot:
         t = _private_copy(t.detach(), snapshot if isinstance(snapshot, SnapshotPool) else None)
     # No storage key: optimizer state is stored whole, never as a view of something else.
-    return Source(
-        name, _dtype_name(name, t), tuple(t.shape), ("train", name), lambda: tensor_bytes(t)
-    )
+    return Source(name, _dtype_name(name, t), tuple(t.shape), ("train", name), bytes_reader(t))
 
 
 def training_sources(
