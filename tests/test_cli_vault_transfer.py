@@ -32,9 +32,10 @@ def test_push_then_pull_by_name_with_json_and_exit_codes(tmp_path: Path) -> None
     assert (doc["bytes_sent"], doc["committed"]) == (0, [])
     assert doc["checkpoints"] == list(expected)
 
-    code, out = run("vault", str(tmp_path / "one"), "pull", str(tmp_path / "dst"), "000001")
+    # 000002 is a delta on 000003 (the oldest and the newest are whole): it comes whole.
+    code, out = run("vault", str(tmp_path / "one"), "pull", str(tmp_path / "dst"), "000002")
     assert code == 0 and "pulled 1 checkpoint from" in out and "sent whole" in out
-    check_loads(Vault(tmp_path / "one"), {"000001": expected["000001"]})
+    check_loads(Vault(tmp_path / "one"), {"000002": expected["000002"]})
 
     # A name taken with other content: refused (5); no vault at SRC: unreadable (3).
     other = Vault(tmp_path / "other")

@@ -94,7 +94,7 @@ def loads_exactly(vault: Vault, expected: list[dict[str, torch.Tensor]]) -> None
 # -- the layout -----------------------------------------------------------------------------
 
 
-def test_the_newest_is_whole_and_older_checkpoints_are_deltas_pointing_back(
+def test_the_newest_and_oldest_are_whole_and_the_rest_are_deltas_pointing_back(
     tmp_path: Path,
 ) -> None:
     vault = Vault(tmp_path, delta_chain=2)
@@ -115,9 +115,10 @@ def test_the_newest_is_whole_and_older_checkpoints_are_deltas_pointing_back(
     vault.compact()  # settles: the newest compressed too
     assert compact_module.pending(vault.store) == []
     for per_tensor in kinds():
-        # 1 -> 2 -> 3 (full, K = 2 deltas behind it), 4 -> 5 -> 6 (full): deltas on the
-        # next checkpoint's object, never more than K behind a full one.
-        assert [f.base is not None for f in per_tensor] == [True, True, False, True, True, False]
+        # 1 (the oldest, whole), 2 -> 3 -> 4 (full, K = 2 deltas behind it), 5 -> 6
+        # (full): deltas on the next checkpoint's object, never more than K behind a full
+        # one.
+        assert [f.base is not None for f in per_tensor] == [False, True, True, False, True, False]
     for older, newer in itertools.pairwise(names):
         f = frame(tmp_path, digests(tmp_path, older)["t0"])
         if f.base is not None:
@@ -128,7 +129,7 @@ def test_the_newest_is_whole_and_older_checkpoints_are_deltas_pointing_back(
     assert vault.verify().ok
 
 
-def test_a_load_reads_one_object_per_tensor_from_the_newest_and_k_plus_one_at_most(
+def test_a_load_reads_one_object_per_tensor_from_the_newest_and_oldest_and_k_plus_one_at_most(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     vault = Vault(tmp_path, delta_chain=3)
@@ -143,17 +144,61 @@ def test_a_load_reads_one_object_per_tensor_from_the_newest_and_k_plus_one_at_mo
         with vault.open(rec.name) as ckpt:
             ckpt.raw("t0")
         opened[rec.name] = len(reads)
-    # The resume reads one object; 000004 keeps the K = 3 deltas behind it whole.
-    assert opened == {"000001": 4, "000002": 3, "000003": 2, "000004": 1, "000005": 1}
+    # The resume and the oldest read one object; the newest keeps K = 3 deltas behind it.
+    assert opened == {"000001": 1, "000002": 4, "000003": 3, "000004": 2, "000005": 1}
+
+
+@pytest.mark.parametrize("how", ["retain", "delete"])
+def test_a_delta_checkpoint_that_becomes_the_oldest_is_made_whole_again(
+    tmp_path: Path, how: str
+) -> None:
+    vault = Vault(tmp_path, delta_chain=8)
+    expected = history(vault, 5)
+    vault.compact()
+    second = digests(tmp_path, "000002")
+    assert all(frame(tmp_path, second[f"t{i}"]).base is not None for i in range(6))
+    if how == "retain":
+        assert vault.retain(keep_last=4) == ["000001"]
+        assert vault.gc() > 0  # gc compacts first, then frees 000001's objects
+    else:
+        vault.delete("000001")
+        assert vault.compact().damaged == []
+    assert [r.name for r in vault.list()] == ["000002", "000003", "000004", "000005"]
+    for i in range(6):
+        f = frame(tmp_path, second[f"t{i}"])
+        assert f is not None and f.base is None, i  # full and compressed
+    third = frame(tmp_path, digests(tmp_path, "000003")["t0"])
+    assert third.base == digests(tmp_path, "000004")["t0"]  # the rest stay deltas
+    loads_exactly(vault, expected[1:])
+    assert vault.verify().ok
+    again = vault.compact()  # nothing left: the oldest is whole
+    assert again.full == 0 and again.deltas == 0
+
+
+def test_a_damaged_delta_that_becomes_the_oldest_is_reported_and_left(tmp_path: Path) -> None:
+    vault = Vault(tmp_path, delta_chain=8, compaction=None)  # this thread's compact() finds it
+    history(vault, 4)
+    vault.compact()
+    vault.delete("000001")
+    victim = tmp_path / "objects" / digests(tmp_path, "000002")["t3"][:2]
+    path = victim / digests(tmp_path, "000002")["t3"]
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    report = vault.compact()
+    assert len(report.damaged) == 1 and "000002: t3" in report.damaged[0]
+    assert path.read_bytes() == bytes(data)  # left as it was found
+    whole = frame(tmp_path, digests(tmp_path, "000002")["t0"])
+    assert whole.base is None  # the others were made whole
 
 
 def test_saves_write_raw_and_log_shows_what_is_not_compacted(tmp_path: Path) -> None:
     from weightvault._cli.app import main as cli
 
     vault = Vault(tmp_path, compaction=None)
-    history(vault, 2, tensors=2)
+    history(vault, 3, tensors=2)
     assert all(frame(tmp_path, d) is None for d in digests(tmp_path, "000002").values())
-    assert sorted(compact_module.pending(vault.store)) == ["000001", "000002"]
+    assert sorted(compact_module.pending(vault.store)) == ["000001", "000002", "000003"]
     out = tmp_path / "log.txt"
     with out.open("w") as f:
         import contextlib
@@ -165,7 +210,8 @@ def test_saves_write_raw_and_log_shows_what_is_not_compacted(tmp_path: Path) -> 
     # A new process picks the work up: gc compacts first.
     Vault(tmp_path).gc()
     assert compact_module.pending(vault.store) == []
-    assert frame(tmp_path, digests(tmp_path, "000001")["t0"]).base is not None
+    assert frame(tmp_path, digests(tmp_path, "000002")["t0"]).base is not None
+    assert frame(tmp_path, digests(tmp_path, "000001")["t0"]).base is None  # the oldest
 
 
 def test_wait_and_the_context_manager_wait_for_the_compactor(tmp_path: Path) -> None:

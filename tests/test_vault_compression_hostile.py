@@ -47,9 +47,10 @@ def objects(root: Path, name: str) -> dict[str, Path]:
 
 @pytest.fixture
 def vault(tmp_path: Path) -> Vault:
-    """Two checkpoints, compacted: ``000002`` holds ``w`` in full, ``000001`` as a delta
-    on it (deltas point back, from older to newer)."""
+    """Three checkpoints, compacted: ``000002`` holds ``w`` in full, ``000001`` as a
+    delta on it (deltas point back, from older to newer); ``start``, the oldest, whole."""
     v = Vault(tmp_path)
+    v.save(One(values(-1)), "start")
     v.save(One(values(0)))
     v.save(One(values(1)))
     v.compact()  # settled: the newest full, not left raw

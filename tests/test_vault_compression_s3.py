@@ -50,7 +50,7 @@ def test_deltas_and_weights_only_history_on_s3(
     vault = Vault(url, delta_chain=2, training_state_last=1, **options)
     model, opt = trained()
     saved = []
-    for _ in range(5):
+    for _ in range(6):
         step(model, opt)
         vault.save(model, optimizer=opt)
         saved.append(state(model))
@@ -60,31 +60,32 @@ def test_deltas_and_weights_only_history_on_s3(
         digest = _digest(vault, name)
         return bytes(fs(options).cat_file(f"{bucket}/run/objects/{digest[:2]}/{digest}")[:64])
 
-    # Deltas point back, at most K = 2 behind a full object: 1 -> 2 -> 3 (full), 4 -> 5.
-    kinds = [head(f"00000{i}")[11] for i in range(1, 6)]
-    assert kinds == [2, 2, 0, 2, 0]  # 2: a difference delta; 0: a full object
-    assert _base_of(vault, "000004") == _digest(vault, "000005")
+    # Deltas point back, at most K = 2 behind a full object, and the oldest stays whole:
+    # 1 (full), 2 -> 3 -> 4 (full), 5 -> 6 (full).
+    kinds = [head(f"00000{i}")[11] for i in range(1, 7)]
+    assert kinds == [0, 2, 2, 0, 2, 0]  # 2: a difference delta; 0: a full object
+    assert _base_of(vault, "000005") == _digest(vault, "000006")
 
-    vault.retain(keep_last=2)
+    vault.retain(keep_last=3)
     vault.gc()
     other = Vault(url, **options)  # a new client: nothing cached
-    for rec, values in zip(other.list(), saved[-2:], strict=True):
+    for rec, values in zip(other.list(), saved[-3:], strict=True):
         fresh, _ = trained()
         other.load(fresh, rec.name)
         assert state(fresh) == values
-    assert [r.weights_only for r in other.list()] == [True, False]
+    assert [r.weights_only for r in other.list()] == [True, True, False]
     assert other.verify().ok
     out = tmp_path / "plain.safetensors"
     other.export("latest", out)
     plain = load_file(str(out))  # the weights, and the latest's training state besides
     assert {k: plain[k].numpy().tobytes() for k in saved[-1]} == saved[-1]
 
-    # The base of the older delta gone: a FormatError naming the tensor, nothing loaded.
-    base = _base_of(vault, "000004")
+    # The base of the delta gone: a FormatError naming the tensor, nothing loaded.
+    base = _base_of(vault, "000005")
     fs(options).rm_file(f"{bucket}/run/objects/{base[:2]}/{base}")
     fresh, _ = trained()
-    with pytest.raises(FormatError, match=r"000004\.json: tensor '0\.weight'.*delta base"):
-        Vault(url, **options).load(fresh, "000004")
+    with pytest.raises(FormatError, match=r"000005\.json: tensor '0\.weight'.*delta base"):
+        Vault(url, **options).load(fresh, "000005")
 
 
 def _digest(vault: Vault, name: str) -> str:

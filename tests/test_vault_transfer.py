@@ -79,10 +79,11 @@ def test_push_sends_each_missing_object_once_as_stored_and_everything_loads(
 def test_pull_of_one_checkpoint_alone_sends_long_chains_whole(
     source: tuple[Vault, dict[str, Any]], tmp_path: Path
 ) -> None:
-    """The oldest checkpoint's changed tensors are deltas four links from a full object:
-    pulled alone, they come whole, and the pull costs about what saving it alone would."""
+    """The second checkpoint's changed tensors are deltas three links from a full object
+    (the oldest is whole): pulled alone, they come whole, and the pull costs about what
+    saving it alone would."""
     vault, expected = source
-    oldest = next(iter(expected))
+    oldest = list(expected)[1]
     empty = Vault(tmp_path / "one", compaction=None)
     report = empty.pull(vault, [oldest])
     assert report.checkpoints == [oldest] and report.whole > 0

@@ -18,6 +18,14 @@ record (:func:`mark`). Compacting checkpoint N then does two things:
    deltas ever hang behind one full object: an X with that many behind it stays full
    (a *key object*), so any checkpoint reads at most ``max_chain + 1`` objects per
    tensor. Training state dropped from old checkpoints is never the base of a kept one.
+3. **The oldest loads whole too.** The oldest checkpoint (a run's start, what a user
+   goes back to) is never turned into deltas. When deleting checkpoints makes a delta
+   checkpoint the oldest, ``Vault.delete`` and ``retain`` leave it a to-do marker, and
+   its compaction (as the first checkpoint, with nothing before it) makes its objects
+   full again; a crash between the two leaves it deltas, loadable. In a run
+   of ``max_chain + 2`` checkpoints that costs nothing (the two full objects are the
+   newest and the oldest instead of the newest and the one ``max_chain`` behind it);
+   otherwise at most one more full object per tensor than chains alone would keep.
 
 An object is named by the blake3 of its raw bytes, so a new encoding replaces the old
 one atomically (a rename over it) and every reader, before or after, gets the same raw
@@ -208,6 +216,10 @@ class _Records:
         self._tensors: dict[str, Tensors | None] = {}
         self._sizes: dict[str, int | None] = {n: store.size(record_key(n)) for n in self.names}
 
+    def oldest(self) -> str | None:
+        """The oldest checkpoint whose tensors the compactor handles (not DCP's)."""
+        return next((n for n in self.names if self.tensors(n) is not None), None)
+
     def still_named(self, name: str, tensor: str, digest: str) -> bool:
         """Whether checkpoint ``name``'s record still names ``digest`` for ``tensor``.
 
@@ -395,6 +407,7 @@ def _compact_one(
         return
     prev = records.names[index - 1] if index > 0 else None
     old = (records.tensors(prev) if prev else None) or {}
+    oldest = records.oldest()  # stays whole: going back to a run's start is one decode
     # The intent names the new checkpoint's objects, the bases of every delta written
     # here: a gc keeps them even if that checkpoint is deleted meanwhile. The older
     # objects are named by their own record, or were dropped (training state a retain
@@ -423,6 +436,7 @@ def _compact_one(
             where = f"{prev}: {tensor}"
             if (
                 limit > 0
+                and prev != oldest
                 and (old_entry[1], old_entry[2]) == (dtype, shape)
                 and _run_behind(records, index - 1, tensor, old_entry[0], dtype, shape, limit)
                 < limit

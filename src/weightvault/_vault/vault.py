@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._base.background import SaveHandle, SnapshotPool
+from .._base.errors import FormatError
 from .._base.pools import LazyPool
 from .._base.progress import Progress as Bar
 from .._file.layout import is_training
@@ -53,6 +54,7 @@ from .records import (
 from .retain import drop_training_except_last
 from .save import Checksums, Progress, save_sources
 from .store import open_store
+from .todo import mark
 from .transfer import TransferReport, transfer
 from .verify import VaultVerifyReport, verify_vault
 
@@ -491,7 +493,24 @@ class Vault:
             CheckpointNotFoundError: No checkpoint has that name.
         """
         self._require()
-        delete_record(self.store, name)
+        self._delete_all([name])
+
+    def _delete_all(self, names: Sequence[str]) -> None:
+        """Delete the records ``names``; if the oldest goes, the compactor is asked to
+        make the new oldest whole (it never keeps the oldest as deltas, see compact.py)."""
+        try:
+            before = self.list()
+        except FormatError:
+            before = []  # a damaged record (perhaps the one going): nothing is asked
+        for name in names:
+            delete_record(self.store, name)
+        if self.storage.codec is None or not before or before[0].name not in names:
+            return
+        after = [r for r in before if r.name not in names]
+        if after:
+            mark(self.store, after[0].name)
+            if self.compaction == "background":
+                self._compactor.kick()
 
     def retain(
         self,
@@ -529,8 +548,7 @@ class Vault:
             if keep_every:
                 keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
             deleted = [r.name for r in records if r.name not in keep and r.name not in spared]
-            for name in deleted:
-                self.delete(name)
+            self._delete_all(deleted)
         if training_state_last is not None:
             if training_state_last < 0:
                 raise ValueError(f"{self.url}: training_state_last must be >= 0")
