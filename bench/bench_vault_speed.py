@@ -23,7 +23,8 @@ At every checkpoint each contender saves the same state, in an order that rotate
 
 Then resumes, from the page cache as a resume after a save reads them: ``load_model`` +
 ``opt.load_state_dict(torch.load(...))`` against ``Vault.load(model, name, optimizer=opt)``
-from the newest checkpoint (one object per tensor) and the oldest (the deepest chain). And
+from the newest checkpoint (one object per tensor), the oldest (whole too) and the one
+after it (the deepest chain, K + 1 objects per tensor). And
 for ``gpt2`` a frozen-backbone fine-tune (only the last block trainable): an incremental
 vault save against a full ``save_model`` + fsync. Sizes on disk at the end.
 
@@ -213,12 +214,16 @@ def run(
         "wall s per checkpoint": med(compactor_wall),
     }
     newest = vaults["vault"].resolve("latest")
-    oldest = vaults["vault"].list()[0].name
+    # The oldest stays whole; the one after it reads the deepest chain (K + 1 objects).
+    oldest, deepest = (r.name for r in vaults["vault"].list()[:2])
     files = sorted(scratch.glob("files-*"))
     contenders: dict[str, Callable[[], Any]] = {
         "files newest": lambda: _files_load(files[-1], model, opt),
         "vault newest": lambda: vaults["vault"].load(model, newest, optimizer=opt),
         "vault oldest": lambda: vaults["vault"].load(model, oldest, optimizer=opt),
+        "vault 2nd oldest (deepest chain)": lambda: vaults["vault"].load(
+            model, deepest, optimizer=opt
+        ),
         "vault newest, compression=None": lambda: vaults["vault, compression=None"].load(
             model, newest, optimizer=opt
         ),

@@ -197,9 +197,13 @@ class Vault:
                 variable path (Keras).
             scheduler: Also store the LR scheduler's state (PyTorch).
             rng: Also store the RNG states (a resumed run draws the same numbers).
-            background: Copy what training can change now, then hash and write in a
-                thread; returns a :class:`~weightvault.SaveHandle` whose ``wait()`` gives
-                the record. A later save or load of this ``Vault`` waits for it first.
+            background: Save in a thread; returns a :class:`~weightvault.SaveHandle`
+                whose ``wait()`` gives the record. The checkpoint holds the values of
+                the call: PyTorch's trainable parameters and optimizer state are copied
+                first thing in the thread, and every optimizer step waits for that copy
+                (``handle.copied()`` waits for it too); everything else training can
+                change is copied before the call returns. A later save or load of this
+                ``Vault`` waits for it first.
 
         Returns:
             The committed checkpoint's record, or with ``background`` a handle to it.
@@ -496,8 +500,9 @@ class Vault:
         self._delete_all([name])
 
     def _delete_all(self, names: Sequence[str]) -> None:
-        """Delete the records ``names``; if the oldest goes, the compactor is asked to
-        make the new oldest whole (it never keeps the oldest as deltas, see compact.py)."""
+        """Delete the records ``names``; if the oldest goes, the new oldest is marked for
+        the compactor, which makes it whole (it never keeps the oldest as deltas, see
+        compact.py)."""
         try:
             before = self.list()
         except FormatError:
@@ -508,9 +513,9 @@ class Vault:
             return
         after = [r for r in before if r.name not in names]
         if after:
+            # Left to the next compaction (a save's, gc's, compact()): a thread started
+            # here would race the gc that usually follows a deletion for the lock.
             mark(self.store, after[0].name)
-            if self.compaction == "background":
-                self._compactor.kick()
 
     def retain(
         self,
