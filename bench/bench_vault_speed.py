@@ -24,7 +24,9 @@ At every checkpoint each contender saves the same state, in an order that rotate
 Then resumes, from the page cache as a resume after a save reads them: ``load_model`` +
 ``opt.load_state_dict(torch.load(...))`` against ``Vault.load(model, name, optimizer=opt)``
 from the newest checkpoint (one object per tensor), the oldest (whole too) and the one
-after it (the deepest chain, K + 1 objects per tensor). And
+after it (the deepest chain, K + 1 objects per tensor), and the newest of the ``vault bg``
+vault once settled (``compact()``, as at the end of training: the newest compressed; its
+disk figure is then the settled one). And
 for ``gpt2`` a frozen-backbone fine-tune (only the last block trainable): an incremental
 vault save against a full ``save_model`` + fsync. Sizes on disk at the end.
 
@@ -152,6 +154,7 @@ def run(
     the resumes and the disk of the last pass."""
     names = ["files", "vault", "vault bg", "vault, compression=None"]
     saves: dict[str, list[float]] = {n: [] for n in names}
+    save_cpu: dict[str, list[float]] = {"files": [], "vault": []}
     step_waits: list[float] = []
     step_totals: list[float] = []
     compactor_cpu: list[float] = []
@@ -173,12 +176,14 @@ def run(
             _touch(model, opt)
             for name in names[k % len(names) :] + names[: k % len(names)]:
                 quiesce()
-                t0 = time.perf_counter()
+                c0, t0 = _cpu(), time.perf_counter()
                 if name == "files":
                     save_plain_files(here / f"files-{k:02d}", model, opt)
                 else:
                     handle = vaults[name].save(model, optimizer=opt, background=name == "vault bg")
                 took = time.perf_counter() - t0
+                if k and name in ("files", "vault"):
+                    save_cpu[name].append(_cpu() - c0)
                 if k:  # the first save writes everything into an empty vault
                     saves[name].append(took)
                 if name == "vault bg":
@@ -212,7 +217,11 @@ def run(
     out["compactor"] = {
         "cpu s per checkpoint": med(compactor_cpu),
         "wall s per checkpoint": med(compactor_wall),
+        "the sync save's own cpu s": med(save_cpu["vault"]),
+        "the plain files' save cpu s": med(save_cpu["files"]),
     }
+    # The same checkpoints settled (as at the end of training): the newest compressed.
+    vaults["vault bg"].compact()
     newest = vaults["vault"].resolve("latest")
     # The oldest stays whole; the one after it reads the deepest chain (K + 1 objects).
     oldest, deepest = (r.name for r in vaults["vault"].list()[:2])
@@ -225,6 +234,9 @@ def run(
             model, deepest, optimizer=opt
         ),
         "vault newest, compression=None": lambda: vaults["vault, compression=None"].load(
+            model, newest, optimizer=opt
+        ),
+        "vault newest, settled (compressed)": lambda: vaults["vault bg"].load(
             model, newest, optimizer=opt
         ),
         "files oldest": lambda: _files_load(files[0], model, opt),

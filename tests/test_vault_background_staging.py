@@ -187,3 +187,24 @@ def test_what_an_in_place_change_outside_a_step_waits_on(
     other = net(1)
     vault.load(other, "latest")
     assert torch.equal(other[3].bias, at_call)
+
+
+def test_a_save_whose_thread_cannot_start_leaves_nothing_for_a_step_to_wait_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Refusing:
+        def submit(self, *args: Any) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    vault = Vault(tmp_path / "v")
+    model = net(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    backward(model, opt, 0)
+    opt.step()
+    monkeypatch.setattr(vault, "_saver", lambda: Refusing())
+    with pytest.raises(RuntimeError, match="interpreter shutdown"):
+        vault.save(model, optimizer=opt, background=True)
+    assert vault._snapshots.staged(0) and not vault._snapshots._queue
+    stepped = in_thread(opt.step)
+    stepped.join(BOUND)
+    assert not stepped.is_alive()

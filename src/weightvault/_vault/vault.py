@@ -270,9 +270,13 @@ class Vault:
             finally:
                 self._snapshots.release()  # read in full: the next snapshot may reuse them
 
-        self._pending = SaveHandle(
-            run, f"vault save {name or '(next)'}", self._saver(), self._snapshots.staged
-        )
+        try:
+            self._pending = SaveHandle(
+                run, f"vault save {name or '(next)'}", self._saver(), self._snapshots.staged
+            )
+        except BaseException:  # no thread (an interpreter shutting down refuses work)
+            self._snapshots.cancel()  # or every optimizer step would wait for ever
+            raise
         return self._pending
 
     def _settle(self) -> None:
