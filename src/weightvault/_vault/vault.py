@@ -496,6 +496,9 @@ class Vault:
     def delete(self, name: str) -> None:
         """Remove checkpoint ``name``; its objects are freed by the next :meth:`gc`.
 
+        If it was the oldest, the next compaction (a save's, :meth:`compact`, :meth:`gc`)
+        makes the new oldest whole: the oldest checkpoint is never kept as deltas.
+
         Raises:
             CheckpointNameError: ``name`` is not a valid name (``latest`` is refused too).
             CheckpointNotFoundError: No checkpoint has that name.
@@ -507,6 +510,8 @@ class Vault:
         """Delete the records ``names``; if the oldest goes, the new oldest is marked for
         the compactor, which makes it whole (it never keeps the oldest as deltas, see
         compact.py)."""
+        if not names:
+            return
         try:
             before = self.list()
         except FormatError:
