@@ -20,9 +20,11 @@ record (:func:`mark`). Compacting checkpoint N then does two things:
    tensor. Training state dropped from old checkpoints is never the base of a kept one.
 3. **The oldest loads whole too.** The oldest checkpoint (a run's start, what a user
    goes back to) is never turned into deltas. When deleting checkpoints makes a delta
-   checkpoint the oldest, ``Vault.delete`` and ``retain`` leave it a to-do marker, and
-   its compaction (as the first checkpoint, with nothing before it) makes its objects
-   full again; a crash between the two leaves it deltas, loadable. In a run
+   checkpoint the oldest (or the newest: deleting the newest leaves the one before it a
+   delta on what went), ``Vault.delete`` and ``retain`` leave it a to-do marker, and its
+   compaction makes its delta objects full again (the newest's too when the background
+   compactor leaves its raw objects raw); a crash between the two leaves it deltas,
+   loadable. In a run
    of ``max_chain + 2`` checkpoints that costs nothing (the two full objects are the
    newest and the oldest instead of the newest and the one ``max_chain`` behind it);
    otherwise at most one more full object per tensor than chains alone would keep.
@@ -367,8 +369,9 @@ def _run_behind(
     records: _Records, index: int, name: str, digest: str, dtype: str, shape: Any, limit: int
 ) -> int:
     """How many deltas already hang behind object ``digest`` of tensor ``name``, counted
-    back from checkpoint ``index`` (each older object whose frame names the next), up to
-    ``limit``."""
+    back from checkpoint ``index`` (each older object whose chain of frames reaches the
+    next), up to ``limit``. A chain may pass through objects no record names any more
+    (a checkpoint deleted in the middle keeps its objects as bases): they count too."""
     run, newer = 0, digest
     for older in reversed(records.names[:index]):
         tensors = records.tensors(older)
@@ -377,14 +380,30 @@ def _run_behind(
             return run
         if entry[0] == newer:
             continue
-        found = _head(records.store, entry[0])
-        if found is None or found[1] is None or found[1].base != newer:
+        links = _links_to(records.store, entry[0], newer, limit - run)
+        if links is None:
             return run
-        run += 1
+        run += links
         if run >= limit:
             return run
         newer = entry[0]
     return run
+
+
+def _links_to(store: Store, digest: str, target: str, most: int) -> int | None:
+    """The number of delta frames from ``digest`` to ``target`` following bases; ``None``
+    if the chain ends (a full or raw object) first. Past ``most`` links the count stops
+    there: the caller only compares it with its limit."""
+    links = 0
+    while links < max(most, 1) + 1:
+        found = _head(store, digest)
+        if found is None or found[1] is None or found[1].base is None:
+            return None
+        links += 1
+        if found[1].base == target:
+            return links
+        digest = found[1].base
+    return links
 
 
 def _compact_one(
@@ -421,7 +440,11 @@ def _compact_one(
     try:
         for tensor, (digest, dtype, shape, nbytes) in new.items():
             itemsize = ITEMSIZE.get(dtype, 4)
-            if make_full and digest not in done and (not new_raw or digest in shared):
+            if (
+                make_full
+                and digest not in done
+                and (not new_raw or digest in shared or _is_delta(store, digest))
+            ):
                 done.add(digest)
                 pause()
                 if _full(work, digest, nbytes, itemsize, f"{name}: {tensor}", staged):
@@ -459,6 +482,13 @@ def _compact_one(
         raise
     finally:
         release(store, [intent])
+
+
+def _is_delta(store: Store, digest: str) -> bool:
+    """Whether ``digest`` is stored as a delta (the newest after its successor was
+    deleted: a resume must not decode a chain)."""
+    found = _head(store, digest)
+    return found is not None and found[1] is not None and found[1].base is not None
 
 
 def _full(
@@ -585,6 +615,9 @@ def compact(
         # Markers of checkpoints deleted meanwhile.
         for name in todo - set(records.names):
             store.delete(todo_key(name))
+        if storage.codec is not None:
+            fresh = _Records(store)  # deletions may have moved the ends meanwhile
+            _whole_ends(work, fresh, _stopping(pause, stop, lock.beat))
         _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
     except _Stopped:
         pass
@@ -592,6 +625,41 @@ def compact(
         lock.release()
         report.seconds = time.monotonic() - start
     return report
+
+
+def _whole_ends(work: _Work, records: _Records, pause: Callable[[], None]) -> None:
+    """Make the delta objects of the oldest and the newest checkpoint full.
+
+    Deleting the oldest or the newest checkpoint leaves its neighbour a to-do marker
+    (``Vault.delete``), but a compaction running at that moment may remove the marker as
+    it finishes that neighbour with a view of the records from before the deletion. So
+    each compaction also checks both ends, with a fresh view (one header read per
+    object; an end it just compacted costs only those reads)."""
+    ends = {n for n in (records.oldest(), records.names[-1] if records.names else None) if n}
+    for name in sorted(ends):
+        tensors = records.tensors(name)
+        if not tensors:
+            continue
+        deltas: dict[str, tuple[str, str, int]] = {}
+        for tensor, (digest, dtype, _, nbytes) in tensors.items():
+            if digest not in deltas and _is_delta(work.store, digest):
+                deltas[digest] = (tensor, dtype, nbytes)
+        if not deltas:
+            continue
+        intent = begin(work.store, {d for d, *_ in tensors.values()}, gc_wait=3600.0)
+        staged: dict[str, tuple[str, int, int]] = {}
+        try:
+            for digest, (tensor, dtype, nbytes) in deltas.items():
+                pause()
+                if records.still_named(name, tensor, digest):
+                    where = f"{name}: {tensor}"
+                    _full(work, digest, nbytes, ITEMSIZE.get(dtype, 4), where, staged)
+                    work.publish(staged)
+        except BaseException:
+            work.store.discard({object_key(d): t for d, (t, _, _) in staged.items()})
+            raise
+        finally:
+            release(work.store, [intent])
 
 
 def _take_out(work: _Work, records: _Records, held_by: set[str], pause: Callable[[], None]) -> None:

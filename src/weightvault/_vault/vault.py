@@ -496,8 +496,9 @@ class Vault:
     def delete(self, name: str) -> None:
         """Remove checkpoint ``name``; its objects are freed by the next :meth:`gc`.
 
-        If it was the oldest, the next compaction (a save's, :meth:`compact`, :meth:`gc`)
-        makes the new oldest whole: the oldest checkpoint is never kept as deltas.
+        If it was the oldest or the newest, the next compaction (a save's,
+        :meth:`compact`, :meth:`gc`) makes the new oldest or newest whole: neither is
+        kept as deltas.
 
         Raises:
             CheckpointNameError: ``name`` is not a valid name (``latest`` is refused too).
@@ -507,9 +508,9 @@ class Vault:
         self._delete_all([name])
 
     def _delete_all(self, names: Sequence[str]) -> None:
-        """Delete the records ``names``; if the oldest goes, the new oldest is marked for
-        the compactor, which makes it whole (it never keeps the oldest as deltas, see
-        compact.py)."""
+        """Delete the records ``names``; if the oldest or the newest goes, its successor
+        is marked for the compactor, which makes it whole (it keeps neither as deltas,
+        see compact.py)."""
         if not names:
             return
         try:
@@ -518,13 +519,15 @@ class Vault:
             before = []  # a damaged record (perhaps the one going): nothing is asked
         for name in names:
             delete_record(self.store, name)
-        if self.storage.codec is None or not before or before[0].name not in names:
-            return
         after = [r for r in before if r.name not in names]
-        if after:
-            # Left to the next compaction (a save's, gc's, compact()): a thread started
-            # here would race the gc that usually follows a deletion for the lock.
+        if self.storage.codec is None or not after:
+            return
+        # Left to the next compaction (a save's, gc's, compact()): a thread started here
+        # would race the gc that usually follows a deletion for the lock.
+        if before[0].name in names:
             mark(self.store, after[0].name)
+        if before[-1].name in names:  # the new newest is a delta on what went: whole again
+            mark(self.store, after[-1].name)
 
     def retain(
         self,
