@@ -208,7 +208,9 @@ class _Records:
     def __init__(self, store: Store) -> None:
         self.store = store
         found = []
-        for name in record_names(store):
+        listed = record_names(store)
+        self.listed = set(listed)  # damaged ones too: what a second listing sees
+        for name in listed:
             # A damaged record is left out: its objects stay as they are, and the
             # checkpoints on either side of it are not paired (verify reports it).
             with contextlib.suppress(FormatError, CheckpointNotFoundError):
@@ -426,7 +428,10 @@ def _compact_one(
         return
     prev = records.names[index - 1] if index > 0 else None
     old = (records.tensors(prev) if prev else None) or {}
-    oldest = records.oldest()  # stays whole: going back to a run's start is one decode
+    # The oldest's objects stay whole (going back to a run's start is one decode), also
+    # where the checkpoint before this one shares them (a tensor unchanged since then).
+    oldest = records.oldest()
+    oldest_objects = {d for d, *_ in (records.tensors(oldest) or {}).values()} if oldest else set()
     # The intent names the new checkpoint's objects, the bases of every delta written
     # here: a gc keeps them even if that checkpoint is deleted meanwhile. The older
     # objects are named by their own record, or were dropped (training state a retain
@@ -459,7 +464,7 @@ def _compact_one(
             where = f"{prev}: {tensor}"
             if (
                 limit > 0
-                and prev != oldest
+                and old_entry[0] not in oldest_objects
                 and (old_entry[1], old_entry[2]) == (dtype, shape)
                 and _run_behind(records, index - 1, tensor, old_entry[0], dtype, shape, limit)
                 < limit
@@ -592,6 +597,7 @@ def compact(
         records = _Records(store)
         work = _Work(store, storage, report)
         order = [n for n in records.names if n in todo]
+        whole: set[str] = set()
         for name in order:
             if stop is not None and stop.is_set():
                 break
@@ -608,6 +614,8 @@ def compact(
                     work, records, index, make_full, _stopping(pause, stop, lock.beat),
                     new_raw=leave_raw,
                 )  # fmt: skip
+                if make_full:
+                    whole.add(name)  # no delta object of its own is left
                 if leave_raw:
                     continue  # the next save's compaction, or a settling one, finishes it
             store.delete(todo_key(name))
@@ -616,8 +624,10 @@ def compact(
         for name in todo - set(records.names):
             store.delete(todo_key(name))
         if storage.codec is not None:
-            fresh = _Records(store)  # deletions may have moved the ends meanwhile
-            _whole_ends(work, fresh, _stopping(pause, stop, lock.beat))
+            # A deletion meanwhile may have moved the ends: then read the records again.
+            same = set(record_names(store)) == records.listed
+            ends = records if same else _Records(store)
+            _whole_ends(work, ends, whole if same else set(), _stopping(pause, stop, lock.beat))
         _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
     except _Stopped:
         pass
@@ -627,16 +637,18 @@ def compact(
     return report
 
 
-def _whole_ends(work: _Work, records: _Records, pause: Callable[[], None]) -> None:
+def _whole_ends(
+    work: _Work, records: _Records, compacted: set[str], pause: Callable[[], None]
+) -> None:
     """Make the delta objects of the oldest and the newest checkpoint full.
 
     Deleting the oldest or the newest checkpoint leaves its neighbour a to-do marker
     (``Vault.delete``), but a compaction running at that moment may remove the marker as
     it finishes that neighbour with a view of the records from before the deletion. So
-    each compaction also checks both ends, with a fresh view (one header read per
-    object; an end it just compacted costs only those reads)."""
+    each compaction also checks both ends (one header read per object), except one it
+    has ``compacted`` with a view of the records that is still current."""
     ends = {n for n in (records.oldest(), records.names[-1] if records.names else None) if n}
-    for name in sorted(ends):
+    for name in sorted(ends - compacted):
         tensors = records.tensors(name)
         if not tensors:
             continue
