@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._base.errors import FormatError
-from .codec import STORED, Codec, compress_block
+from .codec import STORED, Codec, compress_block, delta_codec
 from .diff import delta_kind, make_delta
 from .frame import encode_frame, is_frame
 from .objects import object_key
@@ -109,7 +109,9 @@ def encode_delta(
     """Object ``raw``'s file as a delta against object ``digest`` (raw bytes ``base``)."""
     kind = delta_kind(itemsize, raw.nbytes)
     payload = memoryview(make_delta(raw.cast("B"), base.cast("B"), kind, itemsize))
-    return encode_frame(payload, itemsize, codec, base=digest, kind=kind, depth=1)
+    # Whole words of 2, 4 or 8 bytes go to pcodec (see .codec: DELTAS), others to codec.
+    coder = delta_codec(codec, itemsize, raw.nbytes)
+    return encode_frame(payload, itemsize, coder, base=digest, kind=kind, depth=1)
 
 
 @dataclass

@@ -7,7 +7,8 @@ shrink) or a frame::
     offset  size  field
     0       8     magic  b"\\x89WVO\\r\\n\\x1a\\n"
     8       1     frame version (2; version 1 frames are still read)
-    9       1     codec id (0 stored, 1 blosc2: byte planes + zstd; see .codec)
+    9       1     codec id (0 stored, 1 blosc2: byte planes + zstd, 2 pcodec: a
+                  delta's words as unsigned integers; see .codec)
     10      1     item size: the byte planes each block was split into (1 to 255)
     11      1     kind: 0 a full object; a delta otherwise, whose payload is the
                   transform of :mod:`.diff` with this id applied to raw and base
@@ -41,6 +42,7 @@ follows delta chains. Errors here say what is wrong with the frame; the readers 
 which object and which tensor.
 
 Example:
+    >>> from weightvault._vault.codec import CODECS
     >>> parts = encode_frame(memoryview(bytes(1 << 16)), 4, CODECS["blosc2"])
     >>> frame = parse_frame(memoryview(b"".join(parts)), 1 << 16)
     >>> (frame.raw_size, frame.depth, frame.base)
@@ -59,7 +61,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from .._base.errors import FormatError
-from .codec import BLOCK, CODECS, STORED, Codec, codec_pool, compress_block, decompress_block
+from .codec import BLOCK, READABLE, Codec, codec_pool, compress_block, decompress_block
 from .diff import KINDS, apply_delta
 
 __all__ = [
@@ -178,7 +180,7 @@ def _fields(data: memoryview) -> tuple[int, ...]:
         raise FormatError("the object is not a frame (bad magic)")
     if version not in VERSIONS:
         raise FormatError(f"unknown object frame version {version}; upgrade weightvault")
-    if codec != STORED.id and codec not in {c.id for c in CODECS.values()}:
+    if codec not in READABLE:
         raise FormatError(f"unknown codec id {codec}; upgrade weightvault")
     if kind != 0 and kind not in KINDS:
         raise FormatError(f"unknown delta kind {kind}; upgrade weightvault")
