@@ -60,10 +60,10 @@ def test_deltas_and_weights_only_history_on_s3(
         digest = _digest(vault, name)
         return bytes(fs(options).cat_file(f"{bucket}/run/objects/{digest[:2]}/{digest}")[:64])
 
-    # Deltas point back, at most K = 2 behind a full object, and the oldest stays whole:
-    # 1 (full), 2 -> 3 -> 4 (full), 5 -> 6 (full).
+    # Deltas point back, at most K = 2 behind a full object; the oldest holds weights only
+    # (training_state_last=1), so it is a delta too: 1 -> 2 -> 3 (full), 4 -> 5 -> 6 (full).
     kinds = [head(f"00000{i}")[11] for i in range(1, 7)]
-    assert kinds == [0, 2, 2, 0, 2, 0]  # 2: a difference delta; 0: a full object
+    assert kinds == [2, 2, 0, 2, 2, 0]  # 2: a difference delta; 0: a full object
     assert _base_of(vault, "000005") == _digest(vault, "000006")
 
     vault.retain(keep_last=3)

@@ -1,6 +1,12 @@
-"""Property: whatever saves, deletions and compactions a run makes, once compaction settles
-the oldest checkpoint and the newest are whole, no chain is longer than ``delta_chain``,
-and every checkpoint loads exactly what was saved."""
+"""Property: whatever saves, deletions, retains and compactions a run makes, once
+compaction settles the newest checkpoint is whole, so is the oldest when it holds training
+state (one resumes from it), no chain is longer than ``delta_chain``, and every checkpoint
+loads exactly what was saved.
+
+Three kinds of run: every checkpoint resumable, ``Vault(training_state_last=1)`` (the oldest
+weights-only from the second save on), and every checkpoint resumable until a
+``retain(training_state_last=1)`` at the end, after which the oldest may become a delta
+on a chain that must still respect the bound."""
 
 from __future__ import annotations
 
@@ -11,10 +17,12 @@ from typing import Any
 import pytest
 
 np = pytest.importorskip("numpy")
+torch = pytest.importorskip("torch")
 pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from weightvault import Vault  # noqa: E402
+from weightvault._file.layout import is_training  # noqa: E402
 from weightvault._vault.frame import HEADER_SIZE, is_frame, parse_frame_header  # noqa: E402
 from weightvault._vault.objects import object_file  # noqa: E402
 
@@ -37,8 +45,9 @@ Step = tuple[Any, ...]
 
 
 @st.composite
-def runs(draw: Any) -> tuple[int, list[Step]]:
+def runs(draw: Any) -> tuple[int, str, list[Step]]:
     k = draw(st.integers(1, 3))
+    mode = draw(st.sampled_from(["resumable", "training_state_last", "retain afterwards"]))
     steps: list[Step] = [("save",)]
     for _ in range(draw(st.integers(2, 12))):
         steps.append(
@@ -50,38 +59,58 @@ def runs(draw: Any) -> tuple[int, list[Step]]:
                 )
             )
         )
-    return k, steps
+    return k, mode, steps
 
 
 @SETTINGS
 @given(runs())
-def test_the_oldest_is_whole_whatever_was_deleted(run: tuple[int, list[Step]]) -> None:
-    k, steps = run
+def test_the_newest_and_a_resumable_oldest_are_whole_whatever_was_deleted(
+    run: tuple[int, str, list[Step]],
+) -> None:
+    k, mode, steps = run
     rng = np.random.default_rng(0)
-    weights = {f"t{i}": (rng.standard_normal(N) * 0.02).astype(np.float32) for i in range(3)}
+    weights = {
+        f"t{i}": torch.from_numpy((rng.standard_normal(N) * 0.02).astype(np.float32))
+        for i in range(3)
+    }
+    weights["t0"].requires_grad_()
+    opt = torch.optim.SGD([weights["t0"]], lr=0.0, momentum=0.9)  # state to resume from
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        vault = Vault(root, delta_chain=k)
+        last = 1 if mode == "training_state_last" else None
+        vault = Vault(root, delta_chain=k, training_state_last=last)
         saved: dict[str, dict[str, Any]] = {}
         for step in steps:
             if step[0] == "save":
-                for v in weights.values():
-                    v += (rng.standard_normal(N) * 1e-5).astype(np.float32)
-                saved[vault.save(weights).name] = {n: v.copy() for n, v in weights.items()}
+                with torch.no_grad():
+                    for v in weights.values():
+                        v += torch.from_numpy((rng.standard_normal(N) * 1e-5).astype(np.float32))
+                weights["t0"].grad = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
+                opt.step()
+                name = vault.save(weights, optimizer=opt).name
+                saved[name] = {n: v.detach().numpy().copy() for n, v in weights.items()}
             elif step[0] == "delete" and len(saved) > 1:
                 name = sorted(saved)[step[1] % len(saved)]
                 vault.delete(name)
                 del saved[name]
             elif step[0] == "compact":
                 vault.compact()
+        if mode == "retain afterwards":
+            vault.retain(training_state_last=1)
         vault.compact()  # settles
-        names = [r.name for r in vault.list()]
+        records = vault.list()
+        names = [r.name for r in records]
         assert names == sorted(saved)
         objects = {}
         for n in names:
             with vault.open(n) as ckpt:
                 objects[n] = dict(ckpt.objects)
-        for name in (names[0], names[-1]):
+        whole = [names[-1]]
+        if any(is_training(t) for t in objects[names[0]]):
+            whole.append(names[0])  # resumable: kept whole
+        else:
+            assert mode != "resumable" or len(names) == 1
+        for name in whole:
             for tensor, digest in objects[name].items():
                 assert base_of(vault, digest) is None, (name, tensor)
         for name in names:

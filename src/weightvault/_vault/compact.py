@@ -18,16 +18,20 @@ record (:func:`mark`). Compacting checkpoint N then does two things:
    deltas ever hang behind one full object: an X with that many behind it stays full
    (a *key object*), so any checkpoint reads at most ``max_chain + 1`` objects per
    tensor. Training state dropped from old checkpoints is never the base of a kept one.
-3. **The oldest loads whole too.** The oldest checkpoint (a run's start, what a user
-   goes back to) is never turned into deltas. When deleting checkpoints makes a delta
-   checkpoint the oldest (or the newest: deleting the newest leaves the one before it a
-   delta on what went), ``Vault.delete`` and ``retain`` leave it a to-do marker, and its
-   compaction makes its delta objects full again (the newest's too when the background
-   compactor leaves its raw objects raw); a crash between the two leaves it deltas,
-   loadable. In a run
-   of ``max_chain + 2`` checkpoints that costs nothing (the two full objects are the
-   newest and the oldest instead of the newest and the one ``max_chain`` behind it);
-   otherwise at most one more full object per tensor than chains alone would keep.
+3. **A resumable oldest loads whole too.** The oldest checkpoint, when it holds training
+   state (a run's start, what a user restarts from), is never turned into deltas. When
+   deleting checkpoints makes a delta checkpoint the oldest (or the newest: deleting the
+   newest leaves the one before it a delta on what went), ``Vault.delete`` and
+   ``retain`` leave it a to-do marker, and its compaction makes its delta objects full
+   again (the newest's too when the background compactor leaves its raw objects raw); a
+   crash between the two leaves it deltas, loadable. In a run of ``max_chain + 1``
+   checkpoints that costs nothing (the two full objects are the newest and the oldest
+   instead of the newest and the one ``max_chain`` behind it); otherwise at most one
+   more full object per tensor than chains alone would keep. A weights-only oldest
+   (``training_state_last``, or a retain that dropped its state later and left it a
+   marker) is history: its full objects become deltas on the next checkpoint's, onto
+   that object's chain when it is short enough (:func:`_delta_oldest`), so a retain
+   after the run leaves what ``Vault(training_state_last=N)`` would have.
 
 An object is named by the blake3 of its raw bytes, so a new encoding replaces the old
 one atomically (a rename over it) and every reader, before or after, gets the same raw
@@ -69,6 +73,7 @@ from typing import Any
 
 from .._base.dtypes import ITEMSIZE
 from .._base.errors import CheckpointNotFoundError, FormatError
+from .._file.layout import is_training
 from .commit import begin, release
 from .delta import Parts, Storage, delta_wins, encode_delta, encode_full, size_of
 from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
@@ -428,10 +433,16 @@ def _compact_one(
         return
     prev = records.names[index - 1] if index > 0 else None
     old = (records.tensors(prev) if prev else None) or {}
-    # The oldest's objects stay whole (going back to a run's start is one decode), also
-    # where the checkpoint before this one shares them (a tensor unchanged since then).
+    # A resumable oldest's objects stay whole (going back to a run's start is one
+    # decode), also where the checkpoint before this one shares them (a tensor unchanged
+    # since then). A weights-only oldest is history like the rest: deltas.
     oldest = records.oldest()
-    oldest_objects = {d for d, *_ in (records.tensors(oldest) or {}).values()} if oldest else set()
+    oldest_tensors = records.tensors(oldest) if oldest else None
+    oldest_objects = (
+        {d for d, *_ in oldest_tensors.values()}
+        if oldest_tensors and resumable(oldest_tensors)
+        else set()
+    )
     # The intent names the new checkpoint's objects, the bases of every delta written
     # here: a gc keeps them even if that checkpoint is deleted meanwhile. The older
     # objects are named by their own record, or were dropped (training state a retain
@@ -489,6 +500,30 @@ def _compact_one(
         release(store, [intent])
 
 
+def resumable(tensors: Tensors) -> bool:
+    """Whether a checkpoint of ``tensors`` holds training state: one a run resumes from,
+    which the compactor keeps whole when it is the oldest."""
+    return any(is_training(n) for n in tensors)
+
+
+def _depth(store: Store, digest: str, avoid: str, most: int) -> int | None:
+    """The delta links from ``digest`` to the full (or raw) object its chain ends at;
+    ``None`` if the chain passes through ``avoid``, is longer than ``most``, or breaks."""
+    links = 0
+    while True:
+        if digest == avoid:
+            return None
+        found = _head(store, digest)
+        if found is None:
+            return None
+        if found[1] is None or found[1].base is None:
+            return links
+        links += 1
+        if links > most:
+            return None
+        digest = found[1].base
+
+
 def _is_delta(store: Store, digest: str) -> bool:
     """Whether ``digest`` is stored as a delta (the newest after its successor was
     deleted: a resume must not decode a chain)."""
@@ -530,16 +565,20 @@ def _delta(
     where: str,
     base_where: str,
     staged: dict[str, Any],
+    *,
+    onto_chain: bool = False,
 ) -> bool:
     """Make ``digest`` a delta on ``base`` if that is smaller; whether it was handled.
-    ``where`` and ``base_where`` name the checkpoint and tensor of each, for reports."""
+    ``where`` and ``base_where`` name the checkpoint and tensor of each, for reports.
+    ``onto_chain``: the caller checked that ``base``'s chain is short enough and never
+    reaches ``digest``, so ``base`` may be a delta itself."""
     found, found_base = _head(work.store, digest), _head(work.store, base)
     if found is None or found_base is None:
         return False
     size, frame = found
     if frame is not None and frame.base == base:
         return True  # done by an earlier compaction
-    if found_base[1] is not None and found_base[1].base is not None:
+    if not onto_chain and found_base[1] is not None and found_base[1].base is not None:
         return False  # the base is itself a delta: a chain through it could cycle
     codec = work.storage.codec
     assert codec is not None
@@ -647,7 +686,12 @@ def _whole_ends(
     it finishes that neighbour with a view of the records from before the deletion. So
     each compaction also checks both ends (one header read per object), except one it
     has ``compacted`` with a view of the records that is still current."""
-    ends = {n for n in (records.oldest(), records.names[-1] if records.names else None) if n}
+    oldest = records.oldest()
+    oldest_tensors = records.tensors(oldest) if oldest else None
+    if oldest_tensors and not resumable(oldest_tensors):
+        _delta_oldest(work, records, oldest or "", pause)
+        oldest = None  # weights-only: history like the rest, left as deltas
+    ends = {n for n in (oldest, records.names[-1] if records.names else None) if n}
     for name in sorted(ends - compacted):
         tensors = records.tensors(name)
         if not tensors:
@@ -672,6 +716,64 @@ def _whole_ends(
             raise
         finally:
             release(work.store, [intent])
+
+
+def _delta_oldest(work: _Work, records: _Records, oldest: str, pause: Callable[[], None]) -> None:
+    """Turn the full objects of a weights-only oldest checkpoint into deltas on the next
+    checkpoint's, where the chain stays within ``max_chain``.
+
+    The oldest was kept whole while it held training state; a retain that drops it later
+    (``retain(training_state_last=N)`` after a run) leaves it a to-do marker, and this
+    makes the disk what ``Vault(training_state_last=N)`` would have made it. The next
+    checkpoint's object is usually a delta by then, so the chain from it is followed
+    first: it must end at a full object within ``max_chain - 1`` links and never pass
+    through the object being rewritten (no cycle).
+    """
+    limit = work.storage.max_chain
+    index = records.names.index(oldest)
+    after = records.names[index + 1 : index + 2]
+    tensors, newer = records.tensors(oldest), records.tensors(after[0]) if after else None
+    if limit <= 0 or not tensors or not newer:
+        return
+    pairs = []
+    for tensor, (digest, dtype, shape, nbytes) in tensors.items():
+        entry = newer.get(tensor)
+        if entry is None or entry[0] == digest or (entry[1], entry[2]) != (dtype, shape):
+            continue
+        if _is_delta(work.store, digest):
+            continue  # a delta already (from a compaction before the training state went)
+        pairs.append((tensor, digest, entry[0], dtype, nbytes))
+    # An object a later checkpoint also names (a tensor changed, then changed back) is
+    # left whole: chains through it were counted with it as their end.
+    elsewhere = {
+        d for n in records.names if n != oldest for d, *_ in (records.tensors(n) or {}).values()
+    }
+    pairs = [p for p in pairs if p[1] not in elsewhere]
+    if not pairs:
+        return
+    names = {d for _, d, *_ in pairs} | {b for _, _, b, *_ in pairs}
+    intent = begin(work.store, names, gc_wait=3600.0)
+    staged: dict[str, tuple[str, int, int]] = {}
+    done: set[str] = set()
+    try:
+        for tensor, digest, base, dtype, nbytes in pairs:
+            if digest in done:
+                continue
+            done.add(digest)
+            pause()
+            if not records.still_named(oldest, tensor, digest):
+                continue
+            if _depth(work.store, base, digest, limit - 1) is None:
+                continue
+            where, base_where = f"{oldest}: {tensor}", f"{after[0]}: {tensor}"
+            itemsize = ITEMSIZE.get(dtype, 4)
+            _delta(work, digest, base, nbytes, itemsize, where, base_where, staged, onto_chain=True)
+            work.publish(staged)  # one at a time: the next one's chain check sees it
+    except BaseException:
+        work.store.discard({object_key(d): t for d, (t, _, _) in staged.items()})
+        raise
+    finally:
+        release(work.store, [intent])
 
 
 def _take_out(work: _Work, records: _Records, held_by: set[str], pause: Callable[[], None]) -> None:

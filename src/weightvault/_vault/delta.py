@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: The longest run of deltas behind a full object (measured: docs/benchmarks.md, 11).
-DELTA_CHAIN = 8
+DELTA_CHAIN = 9
 #: A frame is kept only if it is at most this fraction of the raw bytes.
 PAYS = 0.95
 

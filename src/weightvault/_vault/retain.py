@@ -39,6 +39,7 @@ from .checkpoint import VaultCheckpoint
 from .dcp_record import KIND as DCP, DcpCheckpoint
 from .records import list_records, read_doc, record_key
 from .store import Store
+from .todo import mark
 
 __all__ = ["Split", "drop_training", "drop_training_except_last", "weights_only_manifest"]
 
@@ -197,8 +198,13 @@ def drop_training_except_last(
     ``spare`` (a mirror has yet to push them) are left whole for a later call."""
     records = list_records(store)
     older = records[: max(0, len(records) - last)]
-    return [
+    dropped = [
         r.name
         for r in older
         if not r.weights_only and r.name not in spare and drop_training(store, r.name, split)
     ]
+    if dropped and dropped[0] == records[0].name:
+        # The compactor keeps a resumable oldest whole and turns a weights-only one into
+        # deltas: a marker makes the next compaction (a save's, gc's) look at it again.
+        mark(store, dropped[0])
+    return dropped
