@@ -125,7 +125,27 @@ def vault_run(
         t0 = time.perf_counter()
         vault.load(model, "latest")
         loads.append(time.perf_counter() - t0)
-    return {"vault_bytes": size, "load_s": min(loads)}
+    # The oldest checkpoint's weights: a delta chain when it holds weights only (its
+    # training state dropped), against load_model of the same checkpoint's own file.
+    from safetensors.torch import load_model
+
+    oldest = vault.list()[0].name
+    old_vault: list[float] = []
+    old_file: list[float] = []
+    for _ in range(5):  # alternating, medians
+        t0 = time.perf_counter()
+        vault.load(model, oldest)
+        old_vault.append(time.perf_counter() - t0)
+        if not bf16:
+            t0 = time.perf_counter()
+            load_model(model, str(folders[0] / "model.safetensors"))
+            old_file.append(time.perf_counter() - t0)
+    return {
+        "vault_bytes": size,
+        "load_s": min(loads),
+        "oldest_weights_load_s": sorted(old_vault)[2],
+        "file_oldest_weights_load_s": sorted(old_file)[2] if old_file else None,
+    }
 
 
 def cmd_sizes(root: Path, scratch: Path, chains: list[int]) -> list[dict[str, Any]]:

@@ -111,7 +111,29 @@ def encode_delta(
     payload = memoryview(make_delta(raw.cast("B"), base.cast("B"), kind, itemsize))
     # Whole words of 2, 4 or 8 bytes go to pcodec (see .codec: DELTAS), others to codec.
     coder = delta_codec(codec, itemsize, raw.nbytes)
+    if coder is not codec and not _pcodec_pays(payload, itemsize, codec):
+        coder = codec
     return encode_frame(payload, itemsize, coder, base=digest, kind=kind, depth=1)
+
+
+#: pcodec codes a delta only if, on a sample of its words, it takes at most this fraction
+#: of blosc2's bytes. On trained weights it saves 2-4% and decodes twice as fast; on the
+#: differences of barely trained (random) weights it saved 0.5% and decoded at 1.75
+#: GB/s against blosc2's 2.2 (docs/benchmarks.md, section 19): there blosc2 stays.
+PCODEC_PAYS = 0.99
+#: The sample both codecs code to choose: the payload's first 256 KiB (pcodec encodes
+#: at about 150-200 MB/s, a third of blosc2's speed, so coding whole objects twice
+#: nearly doubled the compactor's CPU on GPT-2 6 x 512).
+PCODEC_SAMPLE = 256 << 10
+
+
+def _pcodec_pays(payload: memoryview, itemsize: int, codec: Codec) -> bool:
+    """Whether pcodec beats ``codec`` by :data:`PCODEC_PAYS` on the payload's start."""
+    from .codec import DELTAS
+
+    sample = payload[: PCODEC_SAMPLE - PCODEC_SAMPLE % itemsize]
+    ours = len(compress_block(DELTAS, sample, itemsize))
+    return ours <= PCODEC_PAYS * len(compress_block(codec, sample, itemsize))
 
 
 @dataclass
