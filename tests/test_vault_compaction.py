@@ -326,6 +326,30 @@ def test_a_damaged_object_is_reported_and_left_as_it_is(tmp_path: Path) -> None:
     assert len(problems) == 1 and "t1" in problems[0]
 
 
+def test_an_object_a_gc_freed_meanwhile_is_not_reported_as_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retention deletes a checkpoint, or drops its training state, while the compactor
+    works on it, and a gc frees the objects only that checkpoint named: gone, not damaged
+    (the mirror of a Trainer run logged such warnings for every tensor of one checkpoint)."""
+    vault = Vault(tmp_path, compaction=None)
+    history(vault, 3, tensors=2)
+    gone = digests(tmp_path, "000002")["t1"]
+    real = compact_module.read_object
+
+    def freed(store: Any, digest: str, nbytes: int) -> Any:
+        if digest == gone:
+            raise FileNotFoundError(digest)  # what a gc that freed it leaves a reader
+        return real(store, digest, nbytes)
+
+    monkeypatch.setattr(compact_module, "read_object", freed)
+    report = vault.compact()
+    assert report.damaged == []
+    assert frame(tmp_path, digests(tmp_path, "000002")["t0"]).base is not None  # the rest done
+    monkeypatch.undo()
+    loads_exactly(vault, history(Vault(tmp_path / "again", compaction=None), 3, tensors=2))
+
+
 def _compact_child(root: Path, delay: float) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, WORKERS, "compact", str(root), str(delay)],

@@ -308,7 +308,10 @@ class _Work:
         full is the base of the next delta, which then needs no second decode or hash).
 
         Raises:
-            _Damaged: They do not decode, or their blake3 is not the name; reported.
+            _Damaged: They do not decode, or their blake3 is not the name (reported), or
+                the object is gone (not reported: a gc freed it since its checkpoint was
+                deleted or its training state dropped, which only the intent of the
+                newer checkpoint's objects keeps from happening).
         """
         if digest in self.bad:
             raise _Damaged(digest)
@@ -322,7 +325,10 @@ class _Work:
                     del self._recent[next(iter(self._recent))]
                 return data
             why = "its bytes do not match its name (blake3)"
-        except (FileNotFoundError, FormatError) as e:
+        except FileNotFoundError:
+            self.bad.add(digest)
+            raise _Damaged(digest) from None
+        except FormatError as e:
             why = str(e)
         self.bad.add(digest)
         self.report.damaged.append(f"{self.store.url}/{object_key(digest)} ({where}): {why}")
