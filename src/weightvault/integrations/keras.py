@@ -130,13 +130,13 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             self._save(f"epoch-{epoch + 1:04d}", epoch + 1)
 
     def on_train_end(self, logs: Any = None) -> None:
-        # The run's disk ends compact and trimmed: the compactor's work on this run's
-        # saves done (a failure there was logged; it is done later), then what it held
-        # while the last retention ran is freed.
-        settle(self.vault)
-        trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
+        # The run's disk ends compact and trimmed: the last push (a failure was logged,
+        # never raised) and the retention first, then the compactor's work (a failure
+        # there was logged; it is done later), so no retention after it leaves work undone.
         if self.mirror is not None:
-            self.mirror.wait()  # the last push (a failure was logged, never raised)
+            self.mirror.wait()
+        trim(self.vault, keep_last=self.keep, training_state_last=self.training_state_last)
+        settle(self.vault)
 
     def _save(self, name: str, epoch: int) -> None:
         optimizer = self.model.optimizer if self.save_optimizer else None

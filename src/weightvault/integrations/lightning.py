@@ -205,14 +205,15 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
         if error is not None:
             raise error from sys.exc_info()[1]
         if sys.exc_info()[1] is None:
-            # A run that ends well ends compact: the compactor's work on this process's
-            # saves is done first (a failure there was logged; it is done later).
-            settle(self.vault)
+            # A run that ends well ends compact: the last push and the retention that
+            # waited for it first, then the compactor's work (a failure there was
+            # logged; it is done later), so no retention after it leaves work undone.
             if self.mirror is not None:
                 self.mirror.wait()  # the last push (a failure was logged, never raised)
                 self._remove_pushed()
                 if self.training_state_last is not None:  # what waited for the mirror
                     drop_training_except_last(self.vault.store, self.training_state_last, _training)
+            settle(self.vault)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the vault checkpoint of ``path`` (its objects go at the next ``gc``).

@@ -187,13 +187,15 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         self._settle(args)
-        # The run's disk ends compact and trimmed: the compactor's work on this process's
-        # saves done before the Trainer returns (a failure there was logged; it is done
-        # later), then what it held while the last retention ran is freed.
-        settle(self.vault)
-        self._retain_agreed(args, "at the end of training")
+        # The last push first (a failure was logged, never raised): the retention the
+        # mirror held back for it runs then, and the retention below has nothing left
+        # to wait for. Settling last leaves the run's disk compact and trimmed: settled
+        # first, a retention that ran after it left to-do markers, and a weights-only
+        # oldest whole (a mirror that lagged behind the run, as on a busy machine).
         if self.mirror is not None:
-            self.mirror.wait()  # the last push (a failure was logged, never raised)
+            self.mirror.wait()
+        self._retain_agreed(args, "at the end of training")
+        settle(self.vault)
 
     def _write(
         self,
