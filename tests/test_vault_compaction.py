@@ -306,6 +306,31 @@ def test_retain_afterwards_leaves_the_disk_of_the_vault_option(tmp_path: Path) -
     assert later.verify().ok and option.verify().ok
 
 
+def test_a_weights_only_oldest_is_looked_at_again_only_when_a_retain_marked_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retain that drops the oldest's training state marks it; only that pass turns it
+    into deltas. Later passes leave it alone: an object whose delta does not pay would
+    otherwise be decoded and hashed again by every one of them."""
+    vault = Vault(tmp_path, compaction=None)
+    expected = history(vault, 3, tensors=2, resumable=True)
+    vault.compact()
+    assert frame(tmp_path, digests(tmp_path, "000001")["t0"]).base is None  # resumable: whole
+    calls: list[str] = []
+    real = compact_module._delta_oldest
+    monkeypatch.setattr(compact_module, "_delta_oldest", lambda *a: calls.append(a[2]) or real(*a))
+    vault.retain(training_state_last=1)
+    assert compact_module.pending(vault.store) == ["000001"]
+    vault.compact()
+    assert calls == ["000001"]
+    assert frame(tmp_path, digests(tmp_path, "000001")["t0"]).base is not None  # a delta now
+    vault.save({k: v.detach() + 1e-5 for k, v in expected[-1].items()})
+    vault.compact()
+    assert calls == ["000001"]  # not looked at again
+    loads_exactly(vault, [*expected, {k: v + 1e-5 for k, v in expected[-1].items()}])
+    assert vault.verify().ok
+
+
 # -- damage, crashes and concurrency -------------------------------------------------------------
 
 

@@ -672,7 +672,10 @@ def compact(
             # A deletion meanwhile may have moved the ends: then read the records again.
             same = set(record_names(store)) == records.listed
             ends = records if same else _Records(store)
-            _whole_ends(work, ends, whole if same else set(), _stopping(pause, stop, lock.beat))
+            _whole_ends(
+                work, ends, whole if same else set(), set(order),
+                _stopping(pause, stop, lock.beat),
+            )  # fmt: skip
         _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
     except _Stopped:
         pass
@@ -683,7 +686,11 @@ def compact(
 
 
 def _whole_ends(
-    work: _Work, records: _Records, compacted: set[str], pause: Callable[[], None]
+    work: _Work,
+    records: _Records,
+    compacted: set[str],
+    marked: set[str],
+    pause: Callable[[], None],
 ) -> None:
     """Make the delta objects of the oldest and the newest checkpoint full.
 
@@ -691,11 +698,16 @@ def _whole_ends(
     (``Vault.delete``), but a compaction running at that moment may remove the marker as
     it finishes that neighbour with a view of the records from before the deletion. So
     each compaction also checks both ends (one header read per object), except one it
-    has ``compacted`` with a view of the records that is still current."""
+    has ``compacted`` with a view of the records that is still current.
+
+    A weights-only oldest is left to :func:`_delta_oldest`, only when it had a to-do
+    marker in this pass (``marked``: a retention dropped its state): an object whose
+    delta does not pay would otherwise be decoded and hashed again by every pass."""
     oldest = records.oldest()
     oldest_tensors = records.tensors(oldest) if oldest else None
     if oldest_tensors and not resumable(oldest_tensors):
-        _delta_oldest(work, records, oldest or "", pause)
+        if oldest in marked:
+            _delta_oldest(work, records, oldest or "", pause)
         oldest = None  # weights-only: history like the rest, left as deltas
     ends = {n for n in (oldest, records.names[-1] if records.names else None) if n}
     for name in sorted(ends - compacted):
