@@ -245,3 +245,26 @@ def test_any_damage_to_a_delta_block_loads_exactly_or_is_a_format_error(
     else:
         assert torch.equal(model.w.detach(), values(1))
     v.verify()  # reports, never raises
+
+
+@settings(max_examples=120, deadline=None)
+@given(itemsize=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_a_difference_delta_applies_back_to_the_raw_words(
+    itemsize: int, data: st.DataObject
+) -> None:
+    """make_delta then apply_delta gives the raw bytes back, for sizes on both sides of
+    apply_delta's slices (65,536 items) and words at the edges of their range."""
+    from weightvault._vault.diff import DIFFERENCE, apply_delta, make_delta
+
+    n = data.draw(st.sampled_from([0, 1, 3, (1 << 16) - 1, 1 << 16, (1 << 16) + 5, 200_003]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+    top = np.iinfo(dtype).max
+    raw, base = (rng.integers(0, top, size=n, dtype=dtype, endpoint=True) for _ in range(2))
+    if n:
+        raw[0], base[0] = top, 0  # the largest difference each way
+        raw[-1], base[-1] = 0, top
+    delta = make_delta(memoryview(raw.tobytes()), memoryview(base.tobytes()), DIFFERENCE, itemsize)
+    out = bytearray(base.tobytes())
+    apply_delta(memoryview(out), memoryview(delta), DIFFERENCE, itemsize)
+    assert bytes(out) == raw.tobytes()
