@@ -446,7 +446,7 @@ def _compact_one(
     oldest_tensors = records.tensors(oldest) if oldest else None
     oldest_objects = (
         {d for d, *_ in oldest_tensors.values()}
-        if oldest_tensors and resumable(oldest_tensors)
+        if oldest_tensors and _resumable(oldest_tensors)
         else set()
     )
     # The intent names the new checkpoint's objects, the bases of every delta written
@@ -506,7 +506,7 @@ def _compact_one(
         release(store, [intent])
 
 
-def resumable(tensors: Tensors) -> bool:
+def _resumable(tensors: Tensors) -> bool:
     """Whether a checkpoint of ``tensors`` holds training state: one a run resumes from,
     which the compactor keeps whole when it is the oldest."""
     return any(is_training(n) for n in tensors)
@@ -705,7 +705,7 @@ def _whole_ends(
     delta does not pay would otherwise be decoded and hashed again by every pass."""
     oldest = records.oldest()
     oldest_tensors = records.tensors(oldest) if oldest else None
-    if oldest_tensors and not resumable(oldest_tensors):
+    if oldest_tensors and not _resumable(oldest_tensors):
         if oldest in marked:
             _delta_oldest(work, records, oldest or "", pause)
         oldest = None  # weights-only: history like the rest, left as deltas
@@ -761,6 +761,8 @@ def _delta_oldest(work: _Work, records: _Records, oldest: str, pause: Callable[[
         if _is_delta(work.store, digest):
             continue  # a delta already (from a compaction before the training state went)
         pairs.append((tensor, digest, entry[0], dtype, nbytes))
+    if not pairs:
+        return  # before reading every record below
     # An object a later checkpoint also names (a tensor changed, then changed back) is
     # left whole: chains through it were counted with it as their end.
     elsewhere = {

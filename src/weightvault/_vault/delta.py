@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._base.errors import FormatError
-from .codec import STORED, Codec, compress_block, delta_codec
+from .codec import DELTAS, STORED, Codec, compress_block, delta_codec
 from .diff import delta_kind, make_delta
 from .frame import encode_frame, is_frame
 from .objects import object_key
@@ -109,11 +109,15 @@ def encode_delta(
     """Object ``raw``'s file as a delta against object ``digest`` (raw bytes ``base``)."""
     kind = delta_kind(itemsize, raw.nbytes)
     payload = memoryview(make_delta(raw.cast("B"), base.cast("B"), kind, itemsize))
-    # Whole words of 2, 4 or 8 bytes go to pcodec (see .codec: DELTAS), others to codec.
-    coder = delta_codec(codec, itemsize, raw.nbytes)
-    if coder is not codec and not _pcodec_pays(payload, itemsize, codec):
-        coder = codec
-    return encode_frame(payload, itemsize, coder, base=digest, kind=kind, depth=1)
+    # Whole words of 2, 4 or 8 bytes may go to pcodec (see .codec: DELTAS), others to codec.
+    if delta_codec(codec, itemsize, raw.nbytes) is not DELTAS:
+        return encode_frame(payload, itemsize, codec, base=digest, kind=kind, depth=1)
+    sample = payload[: PCODEC_SAMPLE - PCODEC_SAMPLE % itemsize]
+    ours, theirs = (compress_block(c, sample, itemsize) for c in (DELTAS, codec))
+    coder, packed = (DELTAS, ours) if len(ours) <= PCODEC_PAYS * len(theirs) else (codec, theirs)
+    # A payload no longer than the sample is coded already: its one block, not again.
+    whole = packed if 0 < payload.nbytes == sample.nbytes else None
+    return encode_frame(payload, itemsize, coder, base=digest, kind=kind, depth=1, compressed=whole)
 
 
 #: pcodec codes a delta only if, on a sample of its words, it takes at most this fraction
@@ -125,15 +129,6 @@ PCODEC_PAYS = 0.99
 #: at about 150-200 MB/s, a third of blosc2's speed, so coding whole objects twice
 #: nearly doubled the compactor's CPU on GPT-2 6 x 512).
 PCODEC_SAMPLE = 256 << 10
-
-
-def _pcodec_pays(payload: memoryview, itemsize: int, codec: Codec) -> bool:
-    """Whether pcodec beats ``codec`` by :data:`PCODEC_PAYS` on the payload's start."""
-    from .codec import DELTAS
-
-    sample = payload[: PCODEC_SAMPLE - PCODEC_SAMPLE % itemsize]
-    ours = len(compress_block(DELTAS, sample, itemsize))
-    return ours <= PCODEC_PAYS * len(compress_block(codec, sample, itemsize))
 
 
 @dataclass

@@ -145,6 +145,7 @@ def encode_frame(
     base: str | None = None,
     kind: int = 0,
     depth: int = 0,
+    compressed: bytes | memoryview | None = None,
 ) -> list[bytes | memoryview]:
     """The frame of ``raw`` (already a delta against its base, for one), as parts to join.
 
@@ -155,11 +156,18 @@ def encode_frame(
         base: The base object's digest, for a delta.
         kind: The delta's transform (:mod:`.diff`), for a delta.
         depth: The chain depth, for a delta (its base's plus one).
+        compressed: ``raw``'s one block, already compressed with ``codec`` by the caller
+            (``raw`` must then be non-empty and no longer than a block).
     """
     raw = raw.cast("B")
     planes = itemsize if 0 < itemsize < 256 and raw.nbytes % itemsize == 0 else 1
     spans = [(i, min(i + BLOCK, raw.nbytes)) for i in range(0, raw.nbytes, BLOCK)]
-    blocks = _map(lambda s: compress_block(codec, raw[s[0] : s[1]], planes), spans, raw.nbytes)
+    if compressed is not None:
+        assert len(spans) == 1, "an already compressed frame is one block"
+        blocks = [compressed]
+    else:
+        compress = lambda s: compress_block(codec, raw[s[0] : s[1]], planes)  # noqa: E731
+        blocks = _map(compress, spans, raw.nbytes)
     header = _HEADER.pack(
         MAGIC, VERSION, codec.id, planes, kind if base else 0, depth, 0,
         raw.nbytes, BLOCK, bytes.fromhex(base) if base else bytes(32),
