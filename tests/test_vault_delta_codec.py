@@ -252,8 +252,9 @@ def test_any_damage_to_a_delta_block_loads_exactly_or_is_a_format_error(
 def test_a_difference_delta_applies_back_to_the_raw_words(
     itemsize: int, data: st.DataObject
 ) -> None:
-    """make_delta then apply_delta gives the raw bytes back, for sizes on both sides of
-    apply_delta's slices (65,536 items) and words at the edges of their range."""
+    """make_delta then apply_delta gives the raw bytes back, from a writable delta (its
+    scratch) and a read-only one, for sizes on both sides of apply_delta's slices (65,536
+    items) and words at the edges of their range."""
     from weightvault._vault.diff import DIFFERENCE, apply_delta, make_delta
 
     n = data.draw(st.sampled_from([0, 1, 3, (1 << 16) - 1, 1 << 16, (1 << 16) + 5, 200_003]))
@@ -265,6 +266,11 @@ def test_a_difference_delta_applies_back_to_the_raw_words(
         raw[0], base[0] = top, 0  # the largest difference each way
         raw[-1], base[-1] = 0, top
     delta = make_delta(memoryview(raw.tobytes()), memoryview(base.tobytes()), DIFFERENCE, itemsize)
+    kept = bytes(delta)  # read-only: applied from a copy, left as it is
     out = bytearray(base.tobytes())
-    apply_delta(memoryview(out), memoryview(delta), DIFFERENCE, itemsize)
+    apply_delta(memoryview(out), memoryview(kept), DIFFERENCE, itemsize)
+    assert bytes(out) == raw.tobytes()
+    assert bytes(delta) == kept
+    out = bytearray(base.tobytes())
+    apply_delta(memoryview(out), memoryview(delta), DIFFERENCE, itemsize)  # undone in place
     assert bytes(out) == raw.tobytes()
