@@ -118,9 +118,9 @@ def prepare(run: str, root: Path | None, scratch: Path, steps: int) -> dict[str,
 
 def sample(run: str, args: list[str], env: dict[str, str]) -> float:
     cmd = [sys.executable, __file__, run, "--child", *args]
-    done = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT, check=True
-    )
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return float(json.loads(done.stdout.strip().splitlines()[-1])["ms"])
 
 
