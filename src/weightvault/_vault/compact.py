@@ -705,9 +705,9 @@ def _whole_ends(
     delta does not pay would otherwise be decoded and hashed again by every pass."""
     oldest = records.oldest()
     oldest_tensors = records.tensors(oldest) if oldest else None
-    if oldest_tensors and not _resumable(oldest_tensors):
+    if oldest and oldest_tensors and not _resumable(oldest_tensors):
         if oldest in marked:
-            _delta_oldest(work, records, oldest or "", pause)
+            _delta_oldest(work, records, oldest, pause)
         oldest = None  # weights-only: history like the rest, left as deltas
     ends = {n for n in (oldest, records.names[-1] if records.names else None) if n}
     for name in sorted(ends - compacted):
