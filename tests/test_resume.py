@@ -441,3 +441,59 @@ def test_inspect_counts_no_training_state_as_model_bytes(tmp_path: Path) -> None
     info = weightvault.inspect(path)
     assert info.training_bytes > 0
     assert info.bytes_saved == 4 * 4 * 4  # the tied weight, once
+
+
+def test_large_and_small_optimizer_tensors_resume_bitwise_and_damage_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Moments of 1 MiB are read on the reader threads, smaller ones meanwhile on the
+    calling thread: both come back bitwise, and a damaged small one fails the load
+    before the model or the optimizer changes (the threads' reads are waited for)."""
+    import json
+
+    from weightvault._torch.state import _THREADED
+
+    def make(seed: int) -> tuple[nn.Module, Any]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 8))
+        o = torch.optim.AdamW(m.parameters(), lr=0.01)
+        m(torch.randn(4, 512)).square().mean().backward()
+        o.step()
+        o.zero_grad()
+        return m, o
+
+    assert 512 * 512 * 4 >= _THREADED > 512 * 8 * 4  # both paths are taken
+    a, opt_a = make(0)
+    path = tmp_path / "c.safetensors"
+    wv.save(a, path, optimizer=opt_a)
+    b, opt_b = make(1)
+    wv.load(b, path, optimizer=opt_b)
+    assert_same_state(opt_a, a, opt_b, b)
+
+    c, opt_c = make(2)
+    before = {k: v.clone() for k, v in c.state_dict().items()}
+    moments = {
+        id(p): {k: torch.as_tensor(v).clone() for k, v in s.items()} for p, s in opt_c.state.items()
+    }
+    data = bytearray(path.read_bytes())
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    small = next(k for k in header if "1.bias" in k and "exp_avg" in k)
+    at = 8 + int.from_bytes(data[:8], "little") + header[small]["data_offsets"][0]
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(weightvault.ChecksumError, match=r"1\.bias"):
+        wv.load(c, path, optimizer=opt_c, verify=True)
+    for k, v in c.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p, s in opt_c.state.items():
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(v), moments[id(p)][k]), k
+
+
+def assert_same_state(opt_a: Any, a: nn.Module, opt_b: Any, b: nn.Module) -> None:
+    by_name_b = dict(b.named_parameters())
+    for n, p in a.named_parameters():
+        sa, sb = opt_a.state[p], opt_b.state[by_name_b[n]]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), (n, key)

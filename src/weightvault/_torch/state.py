@@ -183,11 +183,39 @@ def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
 
 
 def _read_all(ckpt: Checkpoint, names: list[str]) -> list[torch.Tensor]:
-    """:func:`_read` of each name, several at once (reads and decoding release the GIL):
-    an optimizer's state is most of a checkpoint's bytes."""
-    if len(names) < 2:
+    """:func:`_read` of each name: tensors of :data:`_THREADED` bytes or more on the
+    reader threads (reads and decoding release the GIL; an optimizer's state is most of a
+    checkpoint's bytes), the smaller ones meanwhile on the calling thread.
+
+    Handing a small tensor to a thread costs more than reading it: on the 13 MB GPT-2
+    of docs/benchmarks.md (section 21), whose 156 AdamW tensors are all 1 MiB or less,
+    a resume took 20.6 ms with only the 1 MiB ones on the threads against 22.5 ms with
+    every one there (34 against 42 ms from a compressed vault); thresholds of 128 and
+    256 KiB were slower than 1 MiB, compressed or not.
+    """
+    large = [i for i, n in enumerate(names) if _stored_nbytes(ckpt, n) >= _THREADED]
+    if not large:
         return [_read(ckpt, n) for n in names]
-    return list(_state_readers().map(lambda n: _read(ckpt, n), names))
+    pending = {i: _state_readers().submit(_read, ckpt, names[i]) for i in large}
+    try:
+        small = {i: _read(ckpt, n) for i, n in enumerate(names) if i not in pending}
+    finally:
+        # Even when a small read failed: no thread may still be reading once the load
+        # has returned (or raised).
+        failed = [e for e in (f.exception() for f in pending.values()) if e is not None]
+    if failed:
+        raise failed[0]
+    return [small[i] if i in small else pending[i].result() for i in range(len(names))]
+
+
+def _stored_nbytes(ckpt: Checkpoint, name: str) -> int:
+    stored = _stored(ckpt, name)
+    assert stored is not None  # checked by _known before anything is read
+    return ckpt.stored[stored].nbytes
+
+
+#: Training-state tensors of at least this many bytes are read on the reader threads.
+_THREADED = 1 << 20
 
 
 #: The threads that read optimizer state, kept between loads.
