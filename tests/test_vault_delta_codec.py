@@ -203,7 +203,7 @@ def test_a_delta_block_of_garbage_is_refused(vault: Vault) -> None:
 def test_a_delta_block_with_one_word_too_few_is_refused(vault: Vault) -> None:
     short = compress_block(DELTAS, memoryview(bytes(4 * (N - 1))), 4)
     forge_block(object_path(Path(vault.url), "000002"), bytes(short))
-    refused(vault, "000002", "holds other than the 16384 words")
+    refused(vault, "000002", f"holds other than the {N} words")
 
 
 def test_a_delta_block_with_words_of_another_width_is_refused(vault: Vault) -> None:

@@ -30,6 +30,7 @@ from .store import Store
 __all__ = [
     "DELTA_CHAIN",
     "PAYS",
+    "SMALL",
     "Encoder",
     "Parts",
     "Storage",
@@ -43,6 +44,13 @@ __all__ = [
 DELTA_CHAIN = 9
 #: A frame is kept only if it is at most this fraction of the raw bytes.
 PAYS = 0.95
+
+#: Full objects smaller than this stay raw. Decoding one cost a load 20-30 us more than
+#: reading it raw (opening the frame, a call into blosc2), and compressing it to about
+#: 0.84 saves no 4 KiB block of the disk: on the 13 MB GPT-2 of docs/benchmarks.md
+#: (section 21), 103 of the newest's 157 objects (layer norms and biases, all 4 KiB or
+#: less), 2.8 ms of a 32 ms resume for 37 KB of its 291 MB.
+SMALL = 16 << 10
 
 #: An object's file as the parts written one after another.
 Parts = list[bytes | memoryview]
@@ -94,9 +102,10 @@ def stored_depth(
 
 
 def encode_full(raw: memoryview, itemsize: int, codec: Codec | None) -> Parts:
-    """Object ``raw``'s file as a full object: a compressed frame if that pays, else raw."""
+    """Object ``raw``'s file as a full object: a compressed frame if that pays, else raw
+    (always raw under :data:`SMALL` bytes)."""
     raw = raw.cast("B")
-    if codec is not None:
+    if codec is not None and raw.nbytes >= SMALL:
         parts = encode_frame(raw, itemsize, codec)
         if size_of(parts) <= PAYS * raw.nbytes:
             return parts

@@ -1,8 +1,8 @@
 """The object frame: how a vault object that is not a tensor's raw bytes says what it is.
 
 An object file under ``objects/`` is either the tensor's raw bytes (every object a save
-writes, every object written before frames existed, and any object compression did not
-shrink) or a frame::
+writes, every object written before frames existed, a full object under
+:data:`~.delta.SMALL`, and any object compression did not shrink) or a frame::
 
     offset  size  field
     0       8     magic  b"\\x89WVO\\r\\n\\x1a\\n"
