@@ -48,17 +48,13 @@ CHILD_TIMEOUT = 300
 def _build(run: str) -> tuple[Any, Any]:
     """The run's model and a fresh AdamW, from the config (no weights read)."""
     import _train_lm as T
-    import torch
 
     if run == "lm":
         model = T.build()
         return model, T.optimizer(model, 1e-3)
-    from bench_vault_speed import SHAPE
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from bench_vault_speed import gpt2_model
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**SHAPE)).train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    return gpt2_model()
 
 
 def child(run: str, what: str, where: Path, name: str, imports: bool) -> None:

@@ -35,9 +35,17 @@ def tensors(folder: Path) -> list[np.ndarray]:
     weights = load_file(str(folder / "model.safetensors"))
     opt = torch.load(folder / "optimizer.pt", weights_only=True)
     out = [np.ascontiguousarray(w).view(np.uint8).ravel() for w in weights.values()]
-    for state in opt["state"].values():
-        out += [v.numpy().view(np.uint8).ravel() for k, v in state.items() if k != "step"]
-    return [t for t in out if t.nbytes]
+    return [t for t in out + moments(opt) if t.nbytes]
+
+
+def moments(state_dict: dict) -> list[np.ndarray]:
+    """An optimizer state dict's tensors other than its step counts, as bytes."""
+    return [
+        v.numpy().view(np.uint8).ravel()
+        for state in state_dict["state"].values()
+        for k, v in state.items()
+        if k != "step"
+    ]
 
 
 def gpt2_tensors(steps: int) -> list[np.ndarray]:
@@ -47,9 +55,7 @@ def gpt2_tensors(steps: int) -> list[np.ndarray]:
     model, opt = next(gpt2_states(steps))
     # Parameters, not the state dict: the tied head is one tensor, stored once.
     out = [p.detach().numpy().view(np.uint8).ravel() for p in model.parameters()]
-    for state in opt.state_dict()["state"].values():
-        out += [v.numpy().view(np.uint8).ravel() for k, v in state.items() if k != "step"]
-    return [t for t in out if t.nbytes]
+    return [t for t in out + moments(opt.state_dict()) if t.nbytes]
 
 
 def blocks(arrays: list[np.ndarray], size: int) -> list[np.ndarray]:

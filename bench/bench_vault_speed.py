@@ -75,19 +75,25 @@ def _cpu() -> float:
 SHAPE = {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_positions": 256}
 
 
-def gpt2_states(steps: int, frozen: bool = False) -> Iterator[tuple[Any, Any]]:
-    """GPT-2 6 x 512 and its AdamW after each of 10 rounds of ``steps`` training steps."""
-    import _train_lm as T
+def gpt2_model(frozen: bool = False) -> tuple[Any, Any]:
+    """GPT-2 6 x 512 (seeded, from the config) and its AdamW at lr 1e-4; ``frozen``
+    leaves only the last block trainable."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(**SHAPE)
-    model = GPT2LMHeadModel(cfg).train()
+    model = GPT2LMHeadModel(GPT2Config(**SHAPE)).train()
     if frozen:
         model.requires_grad_(False)
         model.transformer.h[-1].requires_grad_(True)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    return model, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+
+
+def gpt2_states(steps: int, frozen: bool = False) -> Iterator[tuple[Any, Any]]:
+    """GPT-2 6 x 512 and its AdamW after each of 10 rounds of ``steps`` training steps."""
+    import _train_lm as T
+
+    model, opt = gpt2_model(frozen)
     data = T.batches(T.text(), 0)
     for _ in range(CHECKPOINTS):
         for _ in range(steps):

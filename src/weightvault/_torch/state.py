@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import wait
 from typing import Any
 
 import torch
@@ -177,9 +178,13 @@ def _rng_section(sources: list[Source]) -> dict[str, Any]:
 def _read(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A tensor of its own (a private copy read from the file, never its mapping) for a
     stored training-state name."""
+    return stored_tensor(ckpt, _stored_of(ckpt, name), mmap=False)
+
+
+def _stored_of(ckpt: Checkpoint, name: str) -> str:
     stored = _stored(ckpt, name)
     assert stored is not None  # checked by _known before anything is read
-    return stored_tensor(ckpt, stored, mmap=False)
+    return stored
 
 
 def _read_all(ckpt: Checkpoint, names: list[str]) -> list[torch.Tensor]:
@@ -193,25 +198,19 @@ def _read_all(ckpt: Checkpoint, names: list[str]) -> list[torch.Tensor]:
     every one there (34 against 42 ms from a compressed vault); thresholds of 128 and
     256 KiB were slower than 1 MiB, compressed or not.
     """
-    large = [i for i, n in enumerate(names) if _stored_nbytes(ckpt, n) >= _THREADED]
-    if not large:
-        return [_read(ckpt, n) for n in names]
-    pending = {i: _state_readers().submit(_read, ckpt, names[i]) for i in large}
+    stored = [_stored_of(ckpt, n) for n in names]
+    pending = {
+        i: _state_readers().submit(stored_tensor, ckpt, s, mmap=False)
+        for i, s in enumerate(stored)
+        if ckpt.stored[s].nbytes >= _THREADED
+    }
     try:
-        small = {i: _read(ckpt, n) for i, n in enumerate(names) if i not in pending}
+        small = {
+            i: stored_tensor(ckpt, s, mmap=False) for i, s in enumerate(stored) if i not in pending
+        }
     finally:
-        # Even when a small read failed: no thread may still be reading once the load
-        # has returned (or raised).
-        failed = [e for e in (f.exception() for f in pending.values()) if e is not None]
-    if failed:
-        raise failed[0]
+        wait(pending.values())  # even after a failure: no thread reads on once it returns
     return [small[i] if i in small else pending[i].result() for i in range(len(names))]
-
-
-def _stored_nbytes(ckpt: Checkpoint, name: str) -> int:
-    stored = _stored(ckpt, name)
-    assert stored is not None  # checked by _known before anything is read
-    return ckpt.stored[stored].nbytes
 
 
 #: Training-state tensors of at least this many bytes are read on the reader threads.
