@@ -14,6 +14,9 @@ load alone. Contenders alternate in an order that rotates; medians.
 - ``vault newest, settled``: the compressed newest, as a user runs it;
 - ``vault newest, settled, codecs imported``: the same with blosc2 and pcodec imported
   before the clock starts, which tells the import's share apart;
+- ``vault newest, settled, through python-blosc2``: the same decoded by python-blosc2
+  (``WEIGHTVAULT_BLOSC2_CTYPES=0``), imported on first use, as before the C library was
+  called directly;
 - ``vault oldest`` (whole) and ``vault 2nd oldest`` (the deepest chain).
 
 The page cache is warm (as right after the saves); bytecode is cached, as for an
@@ -57,14 +60,17 @@ def _build(run: str) -> tuple[Any, Any]:
     return gpt2_model()
 
 
-def child(run: str, what: str, where: Path, name: str, imports: bool) -> None:
-    """One resume in this (new) process; prints its milliseconds."""
+def child(run: str, what: str, where: Path, name: str, imports: str) -> None:
+    """One resume in this (new) process; prints its milliseconds. ``imports``: "1"
+    imports the codecs first, "py" decodes through python-blosc2."""
+    if imports == "py":
+        os.environ["WEIGHTVAULT_BLOSC2_CTYPES"] = "0"
     import torch
     from safetensors.torch import load_model
 
     from weightvault import Vault
 
-    if imports:
+    if imports == "1":
         import blosc2  # noqa: F401
         import pcodec  # noqa: F401
     vault = Vault(where) if what == "vault" else None
@@ -106,6 +112,7 @@ def prepare(run: str, root: Path | None, scratch: Path, steps: int) -> dict[str,
         "vault newest, compression=None": ["vault", r, names[-1], "0"],
         "vault newest, settled": ["vault", v, names[-1], "0"],
         "vault newest, settled, codecs imported": ["vault", v, names[-1], "1"],
+        "vault newest, settled, through python-blosc2": ["vault", v, names[-1], "py"],
         "files oldest": ["files", str(scratch / "files-0"), "-", "0"],
         "vault oldest": ["vault", v, names[0], "0"],
         "vault 2nd oldest (deepest chain)": ["vault", v, names[1], "0"],
@@ -130,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         what, where, name, imports = args.child
-        child(args.run, what, Path(where), name, imports == "1")
+        child(args.run, what, Path(where), name, imports)
         return
     if args.run == "lm" and args.dir is None:
         ap.error("lm needs --dir (bench_compress.py train --dir DIR makes it)")

@@ -400,10 +400,17 @@ def test_decoded_objects_outlive_the_checkpoint_that_staged_them(tmp_path: Path)
 
 
 @pytest.mark.parametrize("before", [False, True])
-def test_a_load_leaves_blosc2s_gil_switch_as_it_found_it(tmp_path: Path, before: bool) -> None:
-    # Decoding turns python-blosc2's process-wide set_releasegil on while it runs; the
-    # caller's own setting must come back afterwards, whatever it was.
+def test_a_load_leaves_blosc2s_gil_switch_as_it_found_it(
+    tmp_path: Path, before: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decoding through python-blosc2 (where C-Blosc2's library cannot be called
+    # directly) turns its process-wide set_releasegil on while it runs; the caller's own
+    # setting must come back afterwards, whatever it was.
     import blosc2
+
+    from weightvault._vault import blosc2_c
+
+    monkeypatch.setattr(blosc2_c, "_decoder", [None])
 
     model, _ = trained(0, width=256)
     vault = Vault(tmp_path / "v")

@@ -19,6 +19,10 @@ stays on one blosc2 thread per call: alone it is 3.4x faster on two, but inside 
 against 12.4 ms for the 13 MB model of docs/benchmarks.md section 11); without the GIL,
 the load's threads decode on every core.
 
+Decoding calls C-Blosc2's library directly where it can (:mod:`.blosc2_c`), so a resume
+in a new process does not import python-blosc2 (about 0.2 s beside torch), and falls back
+to python-blosc2 elsewhere; compression always goes through python-blosc2.
+
 Decoding is bounded: a block is decompressed only into a buffer of the size the frame
 and the checkpoint record agree on, and only after blosc2's own header says exactly that
 size (python-blosc2's ``decompress2`` trusts that header for the destination's size, so
@@ -215,7 +219,6 @@ def decompress_block(
         return
     if codec_id not in READABLE:
         raise ValueError(f"unknown codec {codec_id}")
-    b = _blosc2()
     # A private copy, so nothing can change it between check and use; bytes, and a view
     # of a buffer the caller filled for this call (a pread), are private already.
     private = (
@@ -226,7 +229,13 @@ def decompress_block(
     packed = src if private else bytes(src)
     if len(packed) < _BLOSC_MAX_OVERHEAD:
         raise ValueError(f"a compressed block of {len(packed)} bytes is shorter than its header")
-    nbytes, cbytes, _ = b.get_cbuffer_sizes(packed)
+    from .blosc2_c import decoder  # not at import: ctypes only once a block is decoded
+
+    c = decoder()  # C-Blosc2 itself: no import of python-blosc2 (see .blosc2_c)
+    if c is not None:
+        nbytes, cbytes = c.sizes(packed)
+    else:
+        nbytes, cbytes, _ = _blosc2().get_cbuffer_sizes(packed)
     if nbytes != out.nbytes or cbytes != len(packed):
         raise ValueError(
             f"a compressed block claims {nbytes} raw bytes in {cbytes}, expected "
@@ -238,6 +247,10 @@ def decompress_block(
         # One thread: measured faster inside a load than blosc2's threads (the load's
         # own threads overlap reads, checks and copies with it). Without the GIL, so
         # those threads decode on every core (both buffers are this call's alone).
+        if c is not None:
+            c.decompress(packed, out)
+            return
+        b = _blosc2()
         with _GIL.released(b):
             got = b.decompress2(packed, dst=out, nthreads=1)
     except (RuntimeError, ValueError) as e:
