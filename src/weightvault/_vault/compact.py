@@ -616,7 +616,8 @@ def compact(
 
     Args:
         store: The vault's store.
-        storage: Its codec and chain length (no codec: the to-do markers are dropped).
+        storage: Its codec and chain length (no codec: the to-do markers are dropped,
+            and packs stay as the saves wrote them).
         pause: Called before each object; blocks while a save or load of this process
             runs, so compaction yields to them.
         stop: Set to stop after the current object (the rest stays to do).
@@ -676,7 +677,10 @@ def compact(
                 work, ends, whole if same else set(), set(order),
                 _stopping(pause, stop, lock.beat),
             )  # fmt: skip
-        _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
+        if storage.codec is not None:
+            # Without a codec nothing is rewritten loose, and a pack is where a save put
+            # the objects: it stays, and gc frees or repacks it as the checkpoints go.
+            _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
     except _Stopped:
         pass
     finally:

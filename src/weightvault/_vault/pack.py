@@ -3,7 +3,7 @@
 Creating a file costs a few hundred microseconds on a local disk (and a request on an
 object store) however small it is, so a save of many small tensors spent most of its time
 creating files (docs/benchmarks.md, section 14). A save that writes two or more objects
-and leaves them to the compactor now writes them into one pack, ``packs/<id>.pack``::
+now writes them into one pack, ``packs/<id>.pack``::
 
     b"WVPACK01"                                  8 bytes
     each object's raw bytes, at offsets that are multiples of 64
@@ -21,8 +21,9 @@ pack is only ever a second copy once the compactor has written an object loose (
 compressed object or a delta). Once every object of a pack is loose the pack is deleted;
 a reader that found an object in it meanwhile and then cannot open it looks again, and
 finds the loose copy. The compactor leaves the newest checkpoint's new objects in their
-pack (a resume reads them there, raw), and takes the rest out as it compacts; gc frees a
-pack that holds nothing live (through its trash, as it frees objects, see :mod:`.gc`).
+pack (a resume reads them there, raw), and takes the rest out as it compacts (a vault
+without compression keeps them all); gc frees a pack that holds nothing live (through its
+trash, as it frees objects, see :mod:`.gc`).
 
 A process keeps every pack's index it has read (packs never change) in :class:`PackTable`,
 one per store, and lists ``packs/`` again only when an object is in none of them.

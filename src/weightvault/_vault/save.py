@@ -262,17 +262,18 @@ def save_sources(
     # From a vault instance's second save on, what it has not seen is new: written into
     # the save's pack as it is hashed (the first save, as a resumed run's, finds most of
     # its objects in the vault, and would write them for nothing).
-    writer = PackWriter(store) if to_compact and store.local and sums.consulted else None
+    writer = PackWriter(store) if store.local and sums.consulted else None
     try:
         digests = _address(pool, placed, sums, progress, writer, p.fingerprints)
         intent = begin(store, digests.values(), gc_wait=gc_wait)
         try:
             # Raw bytes: compression and deltas are the compactor's, after the commit.
-            # Small new objects go into one pack file, which the compactor takes apart.
+            # Small new objects go into one pack file, which the compactor takes apart
+            # (without compression it stays, and gc frees it, see .compact).
             packs: list[str] = []
             new_bytes, written = _store(
                 store, pool, placed, digests, sums, Encoder(), progress,
-                pack=to_compact, packs=packs, writer=writer,
+                pack=True, packs=packs, writer=writer,
             )  # fmt: skip
             _checksum_rest(store, pool, placed, digests, sums)
             doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
