@@ -57,6 +57,17 @@ def arrays(seed: int, n: int = 12) -> dict[str, np.ndarray]:
     return out
 
 
+def trained_saves(vault: Vault, n: int) -> Any:
+    """A small model's AdamW, after a step before each of ``n`` saves of both into ``vault``."""
+    model = build(0, width=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(n):
+        model(torch.randn(2, 32)).sum().backward()
+        opt.step()
+        vault.save(model, optimizer=opt)
+    return opt
+
+
 def assert_loads(vault: Vault, name: str, want: dict[str, np.ndarray]) -> None:
     with vault.open(name) as ckpt:
         got = wvn.load_file(ckpt, verify=True)
@@ -168,12 +179,7 @@ def test_large_objects_stay_files_with_or_without_compression(
 
 def test_a_vault_without_compression_keeps_its_packs_until_gc_frees_them(tmp_path: Path) -> None:
     vault = Vault(tmp_path, compression=None)
-    model = build(0, width=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        model(torch.randn(2, 32)).sum().backward()
-        opt.step()
-        vault.save(model, optimizer=opt)
+    opt = trained_saves(vault, 3)
     vault.wait()
     assert len(packs(tmp_path)) == 3 and loose(tmp_path) == set()  # nothing took them apart
     weights = {n: snapshot(_loaded(vault, n)) for n in ("000001", "000002", "000003")}
@@ -271,12 +277,7 @@ def test_loads_during_compaction_never_fail_while_packs_are_deleted(tmp_path: Pa
 
 def test_gc_repacks_a_pack_whose_state_was_dropped_and_frees_the_rest(tmp_path: Path) -> None:
     vault = Vault(tmp_path, compaction=None)
-    model = build(0, width=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        model(torch.randn(2, 32)).sum().backward()
-        opt.step()
-        vault.save(model, optimizer=opt)
+    trained_saves(vault, 3)
     weights = {n: snapshot(_loaded(vault, n)) for n in ("000001", "000002", "000003")}
     vault.retain(training_state_last=1)
     for name in ("000001", "000002", "000003"):
