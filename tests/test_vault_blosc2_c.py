@@ -111,6 +111,10 @@ def test_a_damaged_block_is_a_value_error_from_both_decoders(
     # A block either decodes to the same bytes both ways, or is refused both ways (the
     # frame's sums catch a flip that still decodes; here only the codec is asked).
     assert outcomes[0] == outcomes[1]
+    # A refused block leaves nothing behind in the thread's decoder: the next one decodes.
+    good = bytearray(len(raw))
+    c_decoder.decompress(bytes(compress_block(BLOSC2, memoryview(raw), itemsize)), memoryview(good))
+    assert bytes(good) == raw
 
 
 def test_a_block_that_lies_about_its_size_is_refused_before_decoding(

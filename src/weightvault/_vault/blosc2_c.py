@@ -113,6 +113,8 @@ class Decoder:
         n = src.nbytes if isinstance(src, memoryview) else len(src)
         rc = _call(src, out, lambda s, d: self._lib.blosc2_decompress_ctx(ctx, s, n, d, out.nbytes))
         if rc != out.nbytes:
+            # A context that failed on a damaged block is not used again: a new one next.
+            self._local.ctx = None
             raise ValueError(f"it decompressed to {rc} bytes, expected {out.nbytes}")
 
     def _context(self) -> int:
