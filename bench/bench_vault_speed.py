@@ -26,7 +26,8 @@ Then resumes, from the page cache as a resume after a save reads them: ``load_mo
 from the newest checkpoint (one object per tensor), the oldest (whole too) and the one
 after it (the deepest chain, K + 1 objects per tensor), and the newest of the ``vault bg``
 vault once settled (``compact()``, as at the end of training: the newest compressed; its
-disk figure is then the settled one). And
+disk figure is then the settled one), and the newest and the oldest of the
+``compression=None`` vault (raw, its small objects in the saves' packs). And
 for ``gpt2`` a frozen-backbone fine-tune (only the last block trainable): an incremental
 vault save against a full ``save_model`` + fsync. Sizes on disk at the end.
 
@@ -241,6 +242,9 @@ def run(
         ),
         "vault newest, compression=None": lambda: vaults["vault, compression=None"].load(
             model, newest, optimizer=opt
+        ),
+        "vault oldest, compression=None": lambda: vaults["vault, compression=None"].load(
+            model, oldest, optimizer=opt
         ),
         "vault newest, settled (compressed)": lambda: vaults["vault bg"].load(
             model, newest, optimizer=opt
