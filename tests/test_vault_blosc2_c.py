@@ -41,7 +41,8 @@ def fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blosc2_c, "_decoder", [None])
 
 
-def floats_like(draw: st.DrawFn) -> tuple[bytes, int]:
+@st.composite
+def blocks(draw: st.DrawFn) -> tuple[bytes, int]:
     """Bytes of a few kinds (noise, runs, smooth words) and the item size to plane them."""
     itemsize = draw(st.sampled_from([1, 2, 4, 8]))
     n = draw(st.integers(1, 3000)) * itemsize
@@ -54,11 +55,6 @@ def floats_like(draw: st.DrawFn) -> tuple[bytes, int]:
     else:
         data = bytes((i * (seed % 7 + 1) // itemsize) & 0xFF for i in range(n))
     return data, itemsize
-
-
-@st.composite
-def blocks(draw: st.DrawFn) -> tuple[bytes, int]:
-    return floats_like(draw)
 
 
 @settings(max_examples=60, deadline=None)

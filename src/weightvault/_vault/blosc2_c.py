@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import glob
 import importlib.util
 import os
 import threading
@@ -155,6 +154,8 @@ def _call(src: bytes | memoryview, out: memoryview | None, fn: Any) -> int:
 
 def _library() -> Any:
     """C-Blosc2 as shipped beside python-blosc2, or ``None``."""
+    import glob  # once per process: not at import
+
     spec = importlib.util.find_spec("blosc2")
     if spec is None or spec.origin is None:
         return None

@@ -48,6 +48,7 @@ from typing import Any
 
 from .._base.errors import BackendNotInstalled
 from .._base.pools import LazyPool
+from .blosc2_c import decoder
 
 __all__ = [
     "BLOCK",
@@ -229,8 +230,6 @@ def decompress_block(
     packed = src if private else bytes(src)
     if len(packed) < _BLOSC_MAX_OVERHEAD:
         raise ValueError(f"a compressed block of {len(packed)} bytes is shorter than its header")
-    from .blosc2_c import decoder  # not at import: ctypes only once a block is decoded
-
     c = decoder()  # C-Blosc2 itself: no import of python-blosc2 (see .blosc2_c)
     if c is not None:
         nbytes, cbytes = c.sizes(packed)

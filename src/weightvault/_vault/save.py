@@ -161,12 +161,12 @@ def _store(
     encoder: Encoder,
     progress: Progress | None = None,
     *,
-    pack: bool = False,
     packs: list[str] | None = None,
     writer: PackWriter | None = None,
 ) -> tuple[int, int]:
-    """Write the objects the vault lacks; return the new raw bytes and the bytes their
-    files hold. Checksums :func:`_address` left out are taken as the objects are written.
+    """Write the objects the vault lacks, the small ones into a pack; return the new raw
+    bytes and the bytes their files hold. Checksums :func:`_address` left out are taken
+    as the objects are written.
 
     A ``progress`` with a ``phase`` method (the bar of ``save(progress=True)``) then
     counts the raw bytes compressed and written, from zero; a plain callable hears only
@@ -199,7 +199,7 @@ def _store(
         encoder=encoder,
         writing=writing,
         written=written,
-        pack=pack,
+        pack=True,
         packs=packs,
         writer=writer,
     )
@@ -273,7 +273,7 @@ def save_sources(
             packs: list[str] = []
             new_bytes, written = _store(
                 store, pool, placed, digests, sums, Encoder(), progress,
-                pack=True, packs=packs, writer=writer,
+                packs=packs, writer=writer,
             )  # fmt: skip
             _checksum_rest(store, pool, placed, digests, sums)
             doc = _record_doc(p, placed, digests, sums, framework, metadata, new_bytes)
