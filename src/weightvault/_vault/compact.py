@@ -617,7 +617,7 @@ def compact(
     Args:
         store: The vault's store.
         storage: Its codec and chain length (no codec: the to-do markers are dropped,
-            and packs stay as the saves wrote them).
+            and packs are taken apart all the same).
         pause: Called before each object; blocks while a save or load of this process
             runs, so compaction yields to them.
         stop: Set to stop after the current object (the rest stays to do).
@@ -677,10 +677,10 @@ def compact(
                 work, ends, whole if same else set(), set(order),
                 _stopping(pause, stop, lock.beat),
             )  # fmt: skip
-        if storage.codec is not None:
-            # Without a codec nothing is rewritten loose, and a pack is where a save put
-            # the objects: it stays, and gc frees or repacks it as the checkpoints go.
-            _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
+        # Without a codec too: a load that finds an object in no pack it knows reads
+        # every pack's index, so packs left in place would cost a resume in a new
+        # process one index per save the vault ever took.
+        _take_out(work, records, set(pending(store)), _stopping(pause, stop, lock.beat))
     except _Stopped:
         pass
     finally:

@@ -21,9 +21,9 @@ pack is only ever a second copy once the compactor has written an object loose (
 compressed object or a delta). Once every object of a pack is loose the pack is deleted;
 a reader that found an object in it meanwhile and then cannot open it looks again, and
 finds the loose copy. The compactor leaves the newest checkpoint's new objects in their
-pack (a resume reads them there, raw), and takes the rest out as it compacts (a vault
-without compression keeps them all); gc frees a pack that holds nothing live (through its
-trash, as it frees objects, see :mod:`.gc`).
+pack (a resume reads them there, raw), and takes the rest out as it compacts (in a
+vault without compression, every pack, as soon as its save has committed); gc frees a
+pack that holds nothing live (through its trash, as it frees objects, see :mod:`.gc`).
 
 A process keeps every pack's index it has read (packs never change) in :class:`PackTable`,
 one per store, and lists ``packs/`` again only when an object is in none of them.

@@ -269,7 +269,7 @@ def save_sources(
         try:
             # Raw bytes: compression and deltas are the compactor's, after the commit.
             # Small new objects go into one pack file, which the compactor takes apart
-            # (without compression it stays, and gc frees it, see .compact).
+            # (without compression too, as soon as the save has committed).
             packs: list[str] = []
             new_bytes, written = _store(
                 store, pool, placed, digests, sums, Encoder(), progress,
