@@ -247,6 +247,39 @@ class _Records:
         entry = tensors.get(tensor) if tensors else None
         return entry is not None and entry[0] == digest
 
+    def naming(self, packed: dict[str, str]) -> dict[str, tuple[str, str, int]]:
+        """``{digest: (checkpoint, tensor, nbytes)}`` for each object of ``packed``
+        (``{digest: its pack}``) that a record names.
+
+        Records are read newest first, and an object is looked for no further back than
+        the record whose save wrote its pack: none older can name an object first written
+        after it (two saves at once write such an object into a pack each, and the other
+        copy is found). So a pass reads the records of the newest saves, not every one (4
+        ms each for a 70-tensor model with its AdamW: 0.6 s a pass after 150 saves), even
+        for the objects a retain left unnamed.
+        """
+        out: dict[str, tuple[str, str, int]] = {}
+        left = dict(packed)
+        for name in reversed(self.names):
+            if not left:
+                break
+            try:
+                doc = read_doc(self.store, name)
+            except (FormatError, CheckpointNotFoundError):
+                continue
+            objects, packs = doc.get("objects"), doc.get("packs")
+            named = objects.values() if isinstance(objects, dict) else ()
+            hit = doc.get("kind") is None and any(isinstance(d, str) and d in left for d in named)
+            tensors = self.tensors(name) if hit else None
+            for tensor, (digest, _, _, nbytes) in (tensors or {}).items():
+                if digest in left:
+                    out[digest] = (name, tensor, nbytes)
+                    del left[digest]
+            if isinstance(packs, list):
+                own = {p for p in packs if isinstance(p, str)}
+                left = {d: p for d, p in left.items() if p not in own}
+        return out
+
     def tensors(self, name: str) -> Tensors | None:
         """The tensors of ``name``; ``None`` for a DCP record or one that is unreadable
         or gone (its objects are then left as they are)."""
@@ -817,11 +850,8 @@ def _take_out(work: _Work, records: _Records, held_by: set[str], pause: Callable
     if not packs:
         return
     held = held_packs(store, held_by)
-    named: dict[str, tuple[str, str, int]] = {}
-    for name in records.names:
-        for tensor, (digest, _, _, nbytes) in (records.tensors(name) or {}).items():
-            named.setdefault(digest, (name, tensor, nbytes))
     packs = {k: v for k, v in packs.items() if k not in held}
+    named = records.naming({d: pack for pack, index in packs.items() for d in index})
     for pack, index in sorted(packs.items()):
         work.report.unpacked += write_loose(store, _leftovers(work, index, named, pause))
         if all(store.exists(object_key(d)) for d in index):

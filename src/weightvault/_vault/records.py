@@ -41,8 +41,10 @@ __all__ = [
     "CheckpointRecord",
     "check_free",
     "check_name",
+    "creation_order",
     "data_size",
     "delete_record",
+    "head_fields",
     "list_docs",
     "list_records",
     "next_name",
@@ -231,16 +233,103 @@ def list_docs(store: Store) -> list[tuple[CheckpointRecord, dict[str, Any]]]:
 def resolve(store: Store, name: str) -> str:
     """``name`` itself, or for ``"latest"`` the newest checkpoint's name.
 
+    Only the start of each record is read (:func:`creation_order`), and the newest one
+    whole: a resume costs the same after 10 checkpoints as after 1000.
+
     Raises:
         CheckpointNameError: ``name`` is not a valid name.
         CheckpointNotFoundError: ``name`` is ``"latest"`` and the vault has no checkpoints.
+        FormatError: The newest record, or one whose start does not say when it was
+            created, is damaged.
     """
     if check_name(name, store.url, latest=True) != "latest":
         return name
-    records = list_records(store)
-    if not records:
+    order = creation_order(store)
+    if not order:
         raise CheckpointNotFoundError(f"{store.url}: the vault has no checkpoints yet")
-    return records[-1].name
+    created, newest = order[-1]
+    try:
+        doc = read_doc(store, newest)
+    except CheckpointNotFoundError:
+        doc = None  # deleted since it was listed
+    # A record's start is its own only if the JSON does not repeat the key later (then
+    # the last one counts): otherwise, and after a deletion, every record is read whole.
+    where = f"{store.url}/{record_key(newest)}"
+    if doc is None or parse_record(newest, doc, where).created != created:
+        records = list_records(store)
+        if not records:
+            raise CheckpointNotFoundError(f"{store.url}: the vault has no checkpoints yet")
+        return records[-1].name
+    return newest
+
+
+#: How much of a record :func:`creation_order` reads: the writers put ``version`` and
+#: ``created`` first, and a whole record is 85 KB for a 70-tensor model with its AdamW
+#: (read and parsed: 0.3 ms per checkpoint the vault holds, per resume).
+_HEAD = 512
+#: One top-level field whose value is a number, a string without escapes, or a literal.
+_SCALAR = re.compile(
+    rb'\s*"([A-Za-z_]+)"\s*:\s*'
+    rb'(-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|"[^"\\\x00-\x1f]*"|true|false|null)'
+    rb"\s*([,}])"
+)
+
+
+def head_fields(head: bytes) -> dict[str, Any]:
+    """The top-level fields at the start of a record's JSON, up to the first that is not
+    a plain scalar (an object, a string with escapes, a value cut off by the end of
+    ``head``); the first of a repeated key.
+
+    Example:
+        >>> head_fields(b'{"version":1,"created":1.5,"header":"{\\"a')
+        {'version': 1, 'created': 1.5}
+    """
+    out: dict[str, Any] = {}
+    if not head.startswith(b"{"):
+        return out
+    pos = 1
+    while (m := _SCALAR.match(head, pos)) is not None:
+        try:
+            value = json.loads(m.group(2))
+        except ValueError:  # a string that is not UTF-8
+            break
+        out.setdefault(m.group(1).decode(), value)
+        if m.group(3) == b"}":
+            break
+        pos = m.end()
+    return out
+
+
+def creation_order(store: Store) -> list[tuple[float, str]]:
+    """``(created, name)`` of every record, oldest first (ties by name, as
+    :func:`list_records`), from the first :data:`_HEAD` bytes of each.
+
+    A record whose start does not give its version and creation time (one written by
+    hand, or damaged there) is read whole. One whose JSON repeats ``created`` later is
+    placed by the first (a JSON reader keeps the last): :func:`resolve` reads the record
+    it picks whole and, when the two differ, every record.
+
+    Raises:
+        FormatError: Such a record is damaged.
+    """
+    out = []
+    for name in record_names(store):
+        try:
+            fields = head_fields(store.get_range(record_key(name), 0, _HEAD))
+        except FileNotFoundError:
+            continue  # deleted while we listed
+        except OSError:
+            fields = {}  # a folder, say: read_doc says what is wrong
+        created = fields.get("created")
+        if fields.get("version") == VERSION and _is_moment(created):
+            out.append((float(fields["created"]), name))
+            continue
+        try:
+            doc = read_doc(store, name)
+        except CheckpointNotFoundError:
+            continue
+        out.append((parse_record(name, doc, f"{store.url}/{record_key(name)}").created, name))
+    return sorted(out)
 
 
 def data_size(raw: bytes, where: str) -> int:
