@@ -37,7 +37,7 @@ from .._file.layout import is_training
 from .._file.manifest import MANIFEST_KEY, Manifest
 from .checkpoint import VaultCheckpoint
 from .dcp_record import KIND as DCP, DcpCheckpoint
-from .records import list_records, read_doc, record_key
+from .records import creation_order, read_doc, record_key
 from .store import Store
 from .todo import mark
 
@@ -191,19 +191,34 @@ def drop_training(store: Store, name: str, split: Split | None = None) -> bool:
 
 
 def drop_training_except_last(
-    store: Store, last: int, split: Split | None = None, *, spare: Collection[str] = ()
+    store: Store,
+    last: int,
+    split: Split | None = None,
+    *,
+    spare: Collection[str] = (),
+    done: set[tuple[str, float]] | None = None,
 ) -> list[str]:
     """Drop the training state of every checkpoint but the newest ``last``; return the
     names rewritten (oldest first). ``split`` as for :func:`drop_training`; names in
-    ``spare`` (a mirror has yet to push them) are left whole for a later call."""
-    records = list_records(store)
-    older = records[: max(0, len(records) - last)]
-    dropped = [
-        r.name
-        for r in older
-        if not r.weights_only and r.name not in spare and drop_training(store, r.name, split)
-    ]
-    if dropped and dropped[0] == records[0].name:
+    ``spare`` (a mirror has yet to push them) are left whole for a later call.
+
+    The checkpoints are ordered from the start of each record (:func:`creation_order`).
+    ``done`` (a set the caller keeps, such as a ``Vault``'s) remembers each checkpoint
+    already without training state by name and creation time, so a loop that calls this
+    after every save reads whole only the records that are new since: reading every one
+    cost 3 ms per checkpoint the vault held, in every save (0.5 s after 150 saves of a
+    70-tensor model with its AdamW)."""
+    order = creation_order(store)
+    older = order[: max(0, len(order) - last)]
+    dropped = []
+    for created, name in older:
+        if name in spare or (done is not None and (name, created) in done):
+            continue
+        if drop_training(store, name, split):
+            dropped.append(name)
+        if done is not None:
+            done.add((name, created))  # weights only now, or never held any state
+    if dropped and dropped[0] == order[0][1]:
         # The compactor keeps a resumable oldest whole and turns a weights-only one into
         # deltas: a marker makes the next compaction (a save's, gc's) look at it again.
         mark(store, dropped[0])
