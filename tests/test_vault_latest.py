@@ -230,3 +230,33 @@ def test_a_save_with_training_state_last_reads_only_the_new_records_whole(
         vault.wait()
         reads.append(len(whole))
     assert max(reads[1:]) <= 2, reads  # the one that just lost its newest place
+
+
+_PLAIN = st.text(
+    alphabet=st.characters(blacklist_characters='"\\', blacklist_categories=("Cc", "Cs")),
+    max_size=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    doc=st.dictionaries(
+        st.from_regex(r"[A-Za-z_]{1,8}", fullmatch=True),
+        st.integers()
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.booleans()
+        | st.none()
+        | _PLAIN,
+        max_size=6,
+    ),
+    spaced=st.booleans(),
+    cut=st.integers(min_value=0, max_value=400),
+)
+def test_head_fields_read_scalars_as_json_does(doc: dict[str, Any], spaced: bool, cut: int) -> None:
+    text = json.dumps(doc, ensure_ascii=False, **({} if spaced else {"separators": (",", ":")}))
+    data = text.encode()
+    assert head_fields(data) == doc
+    # A cut start gives the fields before the cut, each as JSON reads it.
+    got = head_fields(data[:cut])
+    assert list(got) == list(doc)[: len(got)]
+    assert all(type(v) is type(doc[k]) and v == doc[k] for k, v in got.items())
