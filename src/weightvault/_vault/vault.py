@@ -51,7 +51,7 @@ from .records import (
     read_doc,
     resolve,
 )
-from .retain import drop_training_except_last
+from .retain import Split, drop_training_except_last
 from .save import Checksums, Progress, save_sources
 from .store import open_store
 from .todo import mark
@@ -150,8 +150,9 @@ class Vault:
         self._spared: collections.Counter[str] = collections.Counter()
         self._deferred: dict[str, Any] | None = None
         self._last_gc: tuple[float, float] | None = None  # (seconds it took, when it ended)
-        #: Checkpoints (name, created) whose training state is gone: not read again.
-        self._trim_done: set[tuple[str, float]] = set()
+        #: Checkpoints (name, created) whose training state is gone, by the split that
+        #: told it apart (None: the vault's own): not read again.
+        self._trim_done: dict[Any, set[tuple[str, float]]] = {}
         #: A save dropped training state: the compactor's thread frees it after its pass.
         self._gc_due = False
         if create:
@@ -256,20 +257,30 @@ class Vault:
     def _trimmed(self, record: CheckpointRecord) -> CheckpointRecord:
         """``record``, once older checkpoints lost their training state (if asked) and
         the objects only that state held are freed."""
-        if self.training_state_last is not None and drop_training_except_last(
-            self.store, self.training_state_last, spare=self.spared, done=self._trim_done
-        ):
-            # A run that keeps one resumable checkpoint expects its disk to stay at one
-            # optimizer state, as a Trainer's save_total_limit does, not to grow until
-            # someone thinks of gc: a gc frees what the dropped state alone held, paced
-            # so that it never takes more than a tenth of the run's time. It reads every
-            # record, so it runs on the compactor's thread, off the save's time (in the
-            # save it took 0.75 s of each after 150 saves of the lm run).
+        if self.training_state_last is not None:
+            self._drop_training(self.training_state_last)
+        return record
+
+    def _drop_training(self, last: int, split: Split | None = None, *, free: bool = False) -> None:
+        """Drop the training state of all but the newest ``last`` checkpoints (see
+        :func:`drop_training_except_last`), then free what it alone held.
+
+        A run that keeps one resumable checkpoint expects its disk to stay at one
+        optimizer state, as a Trainer's save_total_limit does, not to grow until someone
+        thinks of gc: a gc frees what the dropped state alone held, paced so that it never
+        takes more than a tenth of the run's time. It reads every record, so with a
+        background compactor it runs on that thread, off the loop's time (in the save it
+        took 0.75 s of each after 150 saves of the lm run). ``free``: run that gc even if
+        nothing was dropped (Lightning's plugin, whose deleted checkpoints it frees too).
+        """
+        done = self._trim_done.setdefault(split, set())
+        dropped = drop_training_except_last(self.store, last, split, spare=self.spared, done=done)
+        if dropped or free:
             if self.compaction == "background":
-                self._gc_due = True  # before the save kicks the compactor
+                self._gc_due = True
+                self._compactor.kick()
             else:
                 self._collect(GC_PACE)
-        return record
 
     def _in_background(
         self, work: Callable[[], CheckpointRecord], name: str | None
@@ -613,7 +624,9 @@ class Vault:
         if self.training_state_last is not None:
             changed |= bool(
                 drop_training_except_last(
-                    self.store, self.training_state_last, done=self._trim_done
+                    self.store,
+                    self.training_state_last,
+                    done=self._trim_done.setdefault(None, set()),
                 )
             )
         if changed or asked:

@@ -32,7 +32,7 @@ from .._base.errors import DistributedCheckpointError, TrainingStateError
 from .._training import codec as _codec
 from .._vault.checkpoint import VaultCheckpoint
 from .._vault.retain import drop_training_except_last
-from .._vault.vault import GC_PACE, VaultLike, as_vault
+from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file
 from ._ranks import announce, announced, rank, world_size
 
@@ -149,10 +149,9 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 self.mirror.after_save(name)  # pushed in the mirror's thread
             self._remove_pushed()
             if self.training_state_last is not None:
-                drop_training_except_last(
-                    self.vault.store, self.training_state_last, _training, spare=self.vault.spared
-                )
-                self.vault.gc(pace=GC_PACE)  # the disk stops growing; see Vault.gc
+                # The disk stops growing; the records are read once each, and the gc (which
+                # frees removed checkpoints too) runs on the compactor's thread.
+                self.vault._drop_training(self.training_state_last, _training, free=True)
         except Exception as e:
             if world_size() == 1:
                 raise
