@@ -270,6 +270,8 @@ class _Records:
             objects, packs = doc.get("objects"), doc.get("packs")
             named = objects.values() if isinstance(objects, dict) else ()
             hit = doc.get("kind") is None and any(isinstance(d, str) and d in left for d in named)
+            if hit and name not in self._tensors:
+                self._tensors[name] = self._parse(name, doc)  # the doc just read, not again
             tensors = self.tensors(name) if hit else None
             for tensor, (digest, _, _, nbytes) in (tensors or {}).items():
                 if digest in left:
@@ -288,12 +290,19 @@ class _Records:
         return self._tensors[name]
 
     def _read(self, name: str) -> Tensors | None:
-        from .checkpoint import VaultCheckpoint
 
         try:
             doc = read_doc(self.store, name)
-            if doc.get("kind") is not None:
-                return None  # weightvault.dcp's chunks: stored as written
+        except (FormatError, CheckpointNotFoundError):
+            return None
+        return self._parse(name, doc)
+
+    def _parse(self, name: str, doc: dict[str, Any]) -> Tensors | None:
+        from .checkpoint import VaultCheckpoint
+
+        if doc.get("kind") is not None:
+            return None  # weightvault.dcp's chunks: stored as written
+        try:
             ckpt = VaultCheckpoint(self.store, name, doc)
         except (FormatError, CheckpointNotFoundError):
             return None
