@@ -258,10 +258,12 @@ class Vault:
         """``record``, once older checkpoints lost their training state (if asked) and
         the objects only that state held are freed."""
         if self.training_state_last is not None:
-            self._drop_training(self.training_state_last)
+            self._drop_training(self.training_state_last, kick=False)  # the save kicks next
         return record
 
-    def _drop_training(self, last: int, split: Split | None = None, *, free: bool = False) -> None:
+    def _drop_training(
+        self, last: int, split: Split | None = None, *, free: bool = False, kick: bool = True
+    ) -> None:
         """Drop the training state of all but the newest ``last`` checkpoints (see
         :func:`drop_training_except_last`), then free what it alone held.
 
@@ -278,7 +280,8 @@ class Vault:
         if dropped or free:
             if self.compaction == "background":
                 self._gc_due = True
-                self._compactor.kick()
+                if kick:  # a second kick during a save made a second pass read every record
+                    self._compactor.kick()
             else:
                 self._collect(GC_PACE)
 
