@@ -15,8 +15,9 @@ Each vault save is timed alone (the call), then ``wait()`` is timed apart (the b
 compactor, and for ``training_state_last`` the gc it runs). At each checkpoint count of
 ``--at``, the newest is resumed (model + optimizer) by every contender, alternating:
 in this process (``--rounds``) and as the first load of a new process (``--cold``
-samples; bytecode cached, as for an installed package). Medians; the saves are the
-medians of the 10 before each count.
+samples; bytecode cached, as for an installed package). At the largest count the
+vaults are then settled (``compact()``, as the end of training does) and resumed again
+(rows ``N, settled``). Medians; the saves are the medians of the 10 before each count.
 
     python3 -c "bytearray(8 << 30)"      # touch memory first
     PYTHONPATH=src .venv/bin/python bench/bench_compress.py train --dir /tmp/wv-lm  # once
@@ -170,6 +171,27 @@ def run(
             "disk MB": {n: v.disk_bytes() / 1e6 for n, v in vaults.items()},
         }
         print(f"{k} checkpoints (optimizer lr {sorted(lrs)}): {json.dumps(out[k])}", flush=True)
+        if k != max(at):
+            continue
+        # The end of training settles each vault (compact(), as the integrations do): the
+        # newest's own objects are compressed, and a later resume decodes them.
+        for v in vaults.values():
+            v.compact()
+        warm = _alternate(
+            {
+                "files": _timed(lambda f=newest: _files_load(f, model, opt)),
+                **{n: _timed(lambda v=v: v.load(model, optimizer=opt)) for n, v in vaults.items()},
+            },
+            rounds,
+        )
+        cold_ms = _alternate({n: (lambda a=a: _cold(a, env)) for n, a in where.items()}, cold)
+        out[-k] = {
+            **out[k],
+            "resume warm ms": warm,
+            "resume cold ms": cold_ms,
+            "disk MB": {n: v.disk_bytes() / 1e6 for n, v in vaults.items()},
+        }
+        print(f"{k} checkpoints, settled: {json.dumps(out[-k])}", flush=True)
     return out
 
 
@@ -186,13 +208,14 @@ def report(out: dict[int, dict[str, Any]]) -> None:
         for n in NAMES:
             rows.append(
                 [
-                    str(k),
+                    f"{-k}, settled" if k < 0 else str(k),
                     n,
                     f"{o['save ms'][n]:.0f}",
                     f"{o['wait ms'][n]:.0f}" if n in o["wait ms"] else "-",
                     f"{o['resume warm ms'][n]:.0f}",
                     f"{o['resume cold ms'][n]:.0f}",
                     f"{o['resume cold ms'][n] / o['resume cold ms']['files']:.2f}x",
+                    f"{o['disk MB'][n]:.1f}" if n in o["disk MB"] else "-",
                 ]
             )
     head = [
@@ -203,6 +226,7 @@ def report(out: dict[int, dict[str, Any]]) -> None:
         "resume ms",
         "cold ms",
         "cold/files",
+        "disk MB",
     ]
     print(table(rows, head))
 

@@ -8,8 +8,11 @@ record (:func:`mark`). Compacting checkpoint N then does two things:
    (``settle=False``) leaves raw the objects that are new in the newest checkpoint, and
    its marker in place: a resume, which reads the newest, then copies raw bytes instead
    of decoding them, and the next save's compaction turns them into deltas (or full
-   compressed objects) anyway. Objects the newest shares with the checkpoint before it
-   (a frozen backbone) are compressed at once. :meth:`Vault.compact`, ``gc`` and
+   compressed objects) anyway. Objects the newest shares with the checkpoint before it,
+   and its frozen tensors' objects (a frozen backbone), are compressed at once, but only
+   when that saves at least ``1 - SHARED_PAYS`` (a quarter) of them: every resume of every
+   checkpoint that shares one decodes it, and the vault stores it once already, so on
+   trained fp32 weights (about 0.84) they stay raw. :meth:`Vault.compact`, ``gc`` and
    ``weightvault vault compact`` settle: they compress the newest too.
 2. **Deltas point back.** Each object X of the checkpoint before N (P) whose tensor (same
    name, dtype and shape) has another object Y in N becomes a delta on Y, when that is
@@ -75,7 +78,16 @@ from .._base.dtypes import ITEMSIZE
 from .._base.errors import CheckpointNotFoundError, FormatError
 from .._file.layout import is_training
 from .commit import begin, release
-from .delta import Parts, Storage, delta_wins, encode_delta, encode_full, size_of
+from .delta import (
+    PAYS,
+    SHARED_PAYS,
+    Parts,
+    Storage,
+    delta_wins,
+    encode_delta,
+    encode_full,
+    size_of,
+)
 from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
 from .objects import checksum, content_hash, object_key, read_object, write_loose
 from .pack import Packed, find, pack_key, pack_table
@@ -223,6 +235,7 @@ class _Records:
                 found.append(parse_record(name, doc, f"{store.url}/{record_key(name)}"))
         self.names = [r.name for r in sorted(found, key=lambda r: (r.created, r.name))]
         self._tensors: dict[str, Tensors | None] = {}
+        self._frozen: dict[str, set[str]] = {}
         self._sizes: dict[str, int | None] = {n: store.size(record_key(n)) for n in self.names}
 
     def oldest(self) -> str | None:
@@ -289,6 +302,11 @@ class _Records:
             self._tensors[name] = self._read(name)
         return self._tensors[name]
 
+    def frozen(self, name: str) -> set[str]:
+        """The objects of ``name``'s frozen tensors (its record's ``frozen`` list)."""
+        self.tensors(name)
+        return self._frozen.get(name, set())
+
     def _read(self, name: str) -> Tensors | None:
 
         try:
@@ -306,6 +324,8 @@ class _Records:
             ckpt = VaultCheckpoint(self.store, name, doc)
         except (FormatError, CheckpointNotFoundError):
             return None
+        frozen = set(ckpt.manifest.frozen)
+        self._frozen[name] = {d for n, d in ckpt.objects.items() if n in frozen}
         return {n: (ckpt.objects[n], i.dtype, i.shape, i.nbytes) for n, i in ckpt.stored.items()}
 
 
@@ -332,6 +352,11 @@ def _head(store: Store, digest: str) -> tuple[int, Any] | None:
     except FormatError:
         return size, None  # decoding it below says what is wrong
 
+
+#: ``{(vault URL, digest): pays}``: raw objects this process found not worth compressing
+#: at that threshold (an object's bytes never change, so neither does the answer).
+_STAYS_RAW: dict[tuple[str, str], float] = {}
+_STAYS_RAW_MAX = 1 << 16
 
 #: Verified raw objects a compaction keeps at hand (a tensor's new and old values).
 _RECENT = 3
@@ -497,6 +522,9 @@ def _compact_one(
     # took away): a gc may free those, and they are left alone (see still_named).
     keep_whole = {d for d, *_ in new.values()}  # what the newer checkpoint reads stays whole
     shared = {d for d, *_ in old.values()} & keep_whole
+    # Read by every resume of the checkpoints that share it: compressed only if that
+    # saves much (SHARED_PAYS).
+    spared = shared | records.frozen(name)
     intent = begin(store, keep_whole, gc_wait=3600.0)
     staged: dict[str, tuple[str, int, int]] = {}
     done: set[str] = set()
@@ -511,7 +539,8 @@ def _compact_one(
             ):
                 done.add(digest)
                 pause()
-                if _full(work, digest, nbytes, itemsize, f"{name}: {tensor}", staged):
+                pays = SHARED_PAYS if digest in spared else PAYS
+                if _full(work, digest, nbytes, itemsize, f"{name}: {tensor}", staged, pays):
                     work.publish(staged)  # it was a delta: full on disk before a delta names it
             old_entry = old.get(tensor)
             if old_entry is None or old_entry[0] in keep_whole or old_entry[0] in done:
@@ -580,10 +609,17 @@ def _is_delta(store: Store, digest: str) -> bool:
 
 
 def _full(
-    work: _Work, digest: str, nbytes: int, itemsize: int, where: str, staged: dict[str, Any]
+    work: _Work,
+    digest: str,
+    nbytes: int,
+    itemsize: int,
+    where: str,
+    staged: dict[str, Any],
+    pays: float = PAYS,
 ) -> bool:
-    """Make ``digest`` a full object (compressed from raw bytes or a delta) if it is not;
-    whether it was a delta (then publish before anything names it as a base)."""
+    """Make ``digest`` a full object (compressed from raw bytes or a delta, if that is at
+    most ``pays`` of them, else raw) if it is not; whether it was a delta (then publish
+    before anything names it as a base)."""
     found = _head(work.store, digest)
     if found is None:
         return False  # a gc holds it, or it is gone: nothing to rewrite
@@ -592,12 +628,20 @@ def _full(
         return False  # a full frame already
     if frame is None and size != nbytes:
         return False  # not an object of this size: the load reports it
+    tried = (work.store.url, digest)
+    if frame is None and _STAYS_RAW.get(tried, 0.0) >= pays:
+        # Found not to pay before: a frozen backbone shared by every save is not read,
+        # hashed and compressed again by each save's compaction.
+        return False
     try:
         raw = work.raw(digest, nbytes, where)
     except _Damaged:
         return False
-    parts = encode_full(raw, itemsize, work.storage.codec)
+    parts = encode_full(raw, itemsize, work.storage.codec, pays=pays)
     if frame is None and size_of(parts) >= size:
+        if len(_STAYS_RAW) >= _STAYS_RAW_MAX:
+            _STAYS_RAW.clear()
+        _STAYS_RAW[tried] = pays
         return False  # raw, and compression does not pay
     work.stage(digest, parts, size, staged, raw)
     work.report.full += 1

@@ -30,6 +30,7 @@ from .store import Store
 __all__ = [
     "DELTA_CHAIN",
     "PAYS",
+    "SHARED_PAYS",
     "SMALL",
     "Encoder",
     "Parts",
@@ -44,6 +45,13 @@ __all__ = [
 DELTA_CHAIN = 9
 #: A frame is kept only if it is at most this fraction of the raw bytes.
 PAYS = 0.95
+#: The same for an object that checkpoints share unchanged (a frozen weight): every
+#: resume of each of them decodes it, where compressing it saves a part of one copy (the
+#: vault stores it once already). On trained fp32 weights blosc2 reaches about 0.84, and
+#: decoding made a frozen-backbone fine-tune's resume 1.6-2.9x of plain files
+#: (docs/benchmarks.md, section 25); such weights stay raw. bf16 weights (about 0.7) and
+#: constant buffers (masks, position ids) are still compressed.
+SHARED_PAYS = 0.75
 
 #: Full objects smaller than this stay raw. Decoding one cost a load 20-30 us more than
 #: reading it raw (opening the frame, a call into blosc2), and compressing it to about
@@ -101,13 +109,15 @@ def stored_depth(
     return frame.depth if frame is not None and frame.raw_size == nbytes else None
 
 
-def encode_full(raw: memoryview, itemsize: int, codec: Codec | None) -> Parts:
-    """Object ``raw``'s file as a full object: a compressed frame if that pays, else raw
-    (always raw under :data:`SMALL` bytes)."""
+def encode_full(
+    raw: memoryview, itemsize: int, codec: Codec | None, *, pays: float = PAYS
+) -> Parts:
+    """Object ``raw``'s file as a full object: a compressed frame if that is at most
+    ``pays`` of the raw bytes, else raw (always raw under :data:`SMALL` bytes)."""
     raw = raw.cast("B")
     if codec is not None and raw.nbytes >= SMALL:
         parts = encode_frame(raw, itemsize, codec)
-        if size_of(parts) <= PAYS * raw.nbytes:
+        if size_of(parts) <= pays * raw.nbytes:
             return parts
     return [as_raw(raw)]
 
