@@ -91,7 +91,7 @@ from .delta import (
 from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
 from .objects import checksum, content_hash, object_key, read_object, write_loose
 from .pack import Packed, find, pack_key, pack_table
-from .records import parse_record, read_doc, record_key, record_names
+from .records import creation_order, read_doc, record_key, record_names
 from .store import Store
 from .todo import TODO, held_packs, mark, pending, todo_key
 
@@ -224,19 +224,19 @@ class _Records:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        found = []
         listed = record_names(store)
         self.listed = set(listed)  # damaged ones too: what a second listing sees
-        for name in listed:
-            # A damaged record is left out: its objects stay as they are, and the
-            # checkpoints on either side of it are not paired (verify reports it).
-            with contextlib.suppress(FormatError, CheckpointNotFoundError):
-                doc = read_doc(store, name)
-                found.append(parse_record(name, doc, f"{store.url}/{record_key(name)}"))
-        self.names = [r.name for r in sorted(found, key=lambda r: (r.created, r.name))]
+        # Ordered from the start of each record; a record is read whole only when its
+        # tensors are needed (every record whole cost each pass 0.23 ms per checkpoint
+        # the vault holds: docs/benchmarks.md, section 26). A record damaged past its
+        # start is listed, and its tensors are None: its objects stay as they are, and
+        # the checkpoints on either side of it are not paired (verify reports it).
+        order = creation_order(store, listed, skip_damaged=True)
+        self.names = [name for _, name in order]
         self._tensors: dict[str, Tensors | None] = {}
         self._frozen: dict[str, set[str]] = {}
-        self._sizes: dict[str, int | None] = {n: store.size(record_key(n)) for n in self.names}
+        #: Each record's size when its tensors were read (see :meth:`still_named`).
+        self._sizes: dict[str, int | None] = {}
 
     def oldest(self) -> str | None:
         """The oldest checkpoint whose tensors the compactor handles (not DCP's)."""
@@ -277,7 +277,7 @@ class _Records:
             if not left:
                 break
             try:
-                doc = read_doc(self.store, name)
+                doc = self._doc(name)
             except (FormatError, CheckpointNotFoundError):
                 continue
             objects, packs = doc.get("objects"), doc.get("packs")
@@ -307,10 +307,14 @@ class _Records:
         self.tensors(name)
         return self._frozen.get(name, set())
 
-    def _read(self, name: str) -> Tensors | None:
+    def _doc(self, name: str) -> dict[str, Any]:
+        """``name``'s record, its size noted first: a change after that is seen."""
+        self._sizes[name] = self.store.size(record_key(name))
+        return read_doc(self.store, name)
 
+    def _read(self, name: str) -> Tensors | None:
         try:
-            doc = read_doc(self.store, name)
+            doc = self._doc(name)
         except (FormatError, CheckpointNotFoundError):
             return None
         return self._parse(name, doc)

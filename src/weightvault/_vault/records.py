@@ -314,9 +314,11 @@ def _scalar(token: bytes) -> Any:
 _LITERALS: dict[bytes, Any] = {b"true": True, b"false": False, b"null": None}
 
 
-def creation_order(store: Store) -> list[tuple[float, str]]:
-    """``(created, name)`` of every record, oldest first (ties by name, as
-    :func:`list_records`), from the first :data:`_HEAD` bytes of each.
+def creation_order(
+    store: Store, names: list[str] | None = None, *, skip_damaged: bool = False
+) -> list[tuple[float, str]]:
+    """``(created, name)`` of every record (or of ``names``, as listed), oldest first
+    (ties by name, as :func:`list_records`), from the first :data:`_HEAD` bytes of each.
 
     A record whose start does not give its version and creation time (one written by
     hand, or damaged there) is read whole. One whose JSON repeats ``created`` later is
@@ -324,10 +326,10 @@ def creation_order(store: Store) -> list[tuple[float, str]]:
     it picks whole and, when the two differ, every record.
 
     Raises:
-        FormatError: Such a record is damaged.
+        FormatError: Such a record is damaged (left out instead with ``skip_damaged``).
     """
     out = []
-    for name in record_names(store):
+    for name in record_names(store) if names is None else names:
         try:
             fields = head_fields(store.get_range(record_key(name), 0, _HEAD))
         except FileNotFoundError:
@@ -340,9 +342,14 @@ def creation_order(store: Store) -> list[tuple[float, str]]:
             continue
         try:
             doc = read_doc(store, name)
+            record = parse_record(name, doc, f"{store.url}/{record_key(name)}")
         except CheckpointNotFoundError:
             continue
-        out.append((parse_record(name, doc, f"{store.url}/{record_key(name)}").created, name))
+        except FormatError:
+            if skip_damaged:
+                continue
+            raise
+        out.append((record.created, name))
     return sorted(out)
 
 
