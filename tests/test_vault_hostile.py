@@ -161,6 +161,34 @@ def test_files_save_could_not_have_made_are_not_checkpoints(tmp_path: Path) -> N
     loads_exactly(vault, "000001", model, width=16)
 
 
+def test_the_records_are_listed_as_a_full_listing_sees_them(tmp_path: Path) -> None:
+    """Records are listed with one scandir, no walk and no stat per file (2.9 against 0.2
+    ms for 300 records, every save and resume); it must see what the walk sees (the
+    oracle: ``Store.list``, through the base class's ``children``)."""
+    from weightvault._vault.store import Store
+
+    vault = Vault(tmp_path)
+    vault.save(build(1, width=16))
+    vault.save(build(2, width=16))
+    folder = tmp_path / "checkpoints"
+    (folder / "sub").mkdir()
+    (folder / "sub" / "000009.json").write_text("{}")  # nested: not a child
+    os.symlink(folder / "000001.json", folder / "000003.json")  # a link to a record
+    os.symlink(tmp_path / "nowhere", folder / "000004.json")  # a broken link
+    os.symlink(folder / "sub", folder / "000005.json")  # a link to a folder
+    os.mkfifo(folder / "000006.json")  # neither a file nor a folder
+    store = vault.store
+    seen = store.children("checkpoints")
+    assert seen == Store.children(store, "checkpoints")
+    assert [k.rsplit("/", 1)[1] for k in seen] == [
+        "000001.json", "000002.json", "000003.json", "000006.json",
+    ]  # fmt: skip
+    assert store.children("nothing-here") == [] == Store.children(store, "nothing-here")
+    (folder / "000006.json").unlink()  # opening a fifo would wait for a writer
+    (folder / "000005.json").unlink()
+    assert [r.name for r in vault.list()] == ["000001", "000003", "000002"]  # 3 is 1: its time
+
+
 @pytest.mark.parametrize("key", ["../x", "objects/../../x", "/abs", "a//b", "a/./b", "a\\b", "a\0"])
 def test_the_store_refuses_keys_that_leave_the_root(tmp_path: Path, key: str) -> None:
     with pytest.raises(ValueError, match="leave the vault's root"):

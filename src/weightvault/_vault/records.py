@@ -171,12 +171,12 @@ def delete_record(store: Store, name: str) -> None:
 def record_names(store: Store) -> list[str]:
     """The name of every record that :func:`check_name` would accept."""
     out = []
-    for b in store.list("checkpoints"):
-        folder, _, base = b.key.rpartition("/")
+    for key in store.children("checkpoints"):
+        base = key.rpartition("/")[2]
         name = base.removesuffix(".json")
         # Files save() could not have made (nested, or a name check_name refuses) are
         # not checkpoints: they are neither listed nor opened.
-        if folder == "checkpoints" and base.endswith(".json") and _NAME.fullmatch(name):
+        if base.endswith(".json") and _NAME.fullmatch(name):
             out.append(name)
     return out
 

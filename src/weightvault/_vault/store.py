@@ -8,6 +8,7 @@ both from the service (S3's conditional ``If-None-Match`` through fsspec's ``mod
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import mmap
 import os
@@ -75,6 +76,12 @@ class Store:
 
     def list(self, prefix: str) -> list[Blob]:
         raise NotImplementedError
+
+    def children(self, prefix: str) -> builtins.list[str]:
+        """The keys :meth:`list` gives directly under ``prefix`` (not in a folder of it),
+        sorted: what ``"latest"`` and every save list, where sizes and times go unread."""
+        depth = prefix.strip("/").count("/") + 1
+        return [b.key for b in self.list(prefix) if b.key.count("/") == depth]
 
     def delete(self, key: str) -> None:
         raise NotImplementedError
@@ -202,6 +209,26 @@ class LocalStore(Store):
                 key = path[start:].replace(os.sep, "/")
                 out.append(Blob(key, st.st_size, st.st_mtime))
         return sorted(out, key=lambda b: b.key)
+
+    def children(self, prefix: str) -> builtins.list[str]:
+        # One scandir without a stat per file: listing a vault's 300 records took 2.9 ms
+        # through list() (a walk, and a stat each), every save and every resume.
+        prefix = prefix.strip("/")
+        out = []
+        try:
+            entries = list(os.scandir(self._path(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for entry in entries:
+            try:
+                if entry.is_dir():
+                    continue  # what list() walks into, not a child
+                if entry.is_symlink() and not os.path.exists(entry.path):
+                    continue  # list() cannot stat it either
+            except OSError:
+                continue
+            out.append(f"{prefix}/{entry.name}")
+        return sorted(out)
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
