@@ -580,7 +580,6 @@ class Vault:
             >>> vault.retain(training_state_last=1)   # weights of every checkpoint, one resumable
             []
         """
-        records = self.list()
         spared = self.spared
         if spared and (keep_last is not None or keep_every is not None or training_state_last):
             # Applied again, as asked, once the mirror has them (Mirror.wait).
@@ -588,6 +587,7 @@ class Vault:
                               "training_state_last": training_state_last}  # fmt: skip
         deleted: builtins.list[str] = []
         if keep_last is not None or keep_every is not None:
+            records = self.list()  # every record whole: only what deleting needs
             keep: set[str] = set()
             if keep_last:
                 keep |= {r.name for r in records[-keep_last:]}
@@ -598,7 +598,11 @@ class Vault:
         if training_state_last is not None:
             if training_state_last < 0:
                 raise ValueError(f"{self.url}: training_state_last must be >= 0")
-            drop_training_except_last(self.store, training_state_last, spare=spared)
+            # The checkpoints this Vault saw without training state are not read again:
+            # a loop's trim after every save (the integrations) read every older record,
+            # 37-68 ms a save after 300 checkpoints (docs/benchmarks.md, section 27).
+            done = self._trim_done.setdefault(None, set())
+            drop_training_except_last(self.store, training_state_last, spare=spared, done=done)
         return deleted
 
     @property
