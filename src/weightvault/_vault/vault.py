@@ -536,16 +536,19 @@ class Vault:
         self._require()
         self._delete_all([name])
 
-    def _delete_all(self, names: Sequence[str]) -> None:
+    def _delete_all(
+        self, names: Sequence[str], before: Sequence[CheckpointRecord] | None = None
+    ) -> None:
         """Delete the records ``names``; if the oldest or the newest goes, its successor
         is marked for the compactor, which makes it whole (it keeps neither as deltas,
-        see compact.py)."""
+        see compact.py). ``before``: the records as the caller just listed them."""
         if not names:
             return
-        try:
-            before = self.list()
-        except FormatError:
-            before = []  # a damaged record (perhaps the one going): nothing is asked
+        if before is None:
+            try:
+                before = self.list()
+            except FormatError:
+                before = []  # a damaged record (perhaps the one going): nothing is asked
         for name in names:
             delete_record(self.store, name)
         after = [r for r in before if r.name not in names]
@@ -594,7 +597,7 @@ class Vault:
             if keep_every:
                 keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
             deleted = [r.name for r in records if r.name not in keep and r.name not in spared]
-            self._delete_all(deleted)
+            self._delete_all(deleted, records)  # not listed a second time
         if training_state_last is not None:
             if training_state_last < 0:
                 raise ValueError(f"{self.url}: training_state_last must be >= 0")
