@@ -14,6 +14,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -23,8 +24,14 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from weightvault import FormatError, Vault  # noqa: E402
+from weightvault._file.checkpoint import HASH_WINDOW  # noqa: E402
 from weightvault._vault.codec import CODECS  # noqa: E402
-from weightvault._vault.frame import HEADER_SIZE, encode_frame  # noqa: E402
+from weightvault._vault.frame import (  # noqa: E402
+    HEADER_SIZE,
+    blocks_intact,
+    encode_frame,
+    parse_frame,
+)
 from weightvault._vault.objects import read_range  # noqa: E402
 
 N = 1 << 14  # floats: 64 KiB, one block
@@ -255,3 +262,26 @@ def test_any_damage_to_a_frame_loads_exactly_or_is_a_format_error(
     else:  # the damage did not matter to the raw bytes (checked against their checksum)
         assert torch.equal(model.w.detach(), values(0 if name == "000001" else 1))
     v.verify()  # reports, never raises
+
+
+@settings(max_examples=30, deadline=None)
+@given(at=st.integers(0, 3 * HASH_WINDOW + 999), bit=st.integers(0, 7))
+def test_a_block_larger_than_the_hash_window_is_checked_in_every_window(at: int, bit: int) -> None:
+    # Blocks are checked through HASH_WINDOW-sized reads: a flip in any of them must count.
+    raw = np.random.default_rng(0).integers(0, 256, 3 * HASH_WINDOW + 1000, np.uint8)
+    blob = bytearray(b"".join(encode_frame(memoryview(raw), 4, CODECS["blosc2"])))
+    frame = parse_frame(memoryview(blob), raw.nbytes)
+    assert max(frame.lengths) > 2 * HASH_WINDOW  # random bytes: one block, barely smaller
+
+    def reads(data: bytearray) -> tuple[Any, Any]:
+        def read_into(offset: int, out: memoryview) -> None:
+            out[:] = data[offset : offset + out.nbytes]
+
+        return read_into, lambda offset, n: memoryview(data)[offset : offset + n]
+
+    assert blocks_intact(*reads(blob), frame) is True
+    assert blocks_intact(None, reads(blob)[1], frame) is True
+    where = frame.table_end + at % sum(frame.lengths)
+    blob[where] ^= 1 << bit
+    assert blocks_intact(*reads(blob), frame) is False
+    assert blocks_intact(None, reads(blob)[1], frame) is False

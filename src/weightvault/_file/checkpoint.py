@@ -283,10 +283,10 @@ class SafetensorsFile(Checkpoint):
         # then a FormatError instead of a SIGBUS that kills the process.
         info = self.stored[stored]
         h = xxhash.xxh3_64()
-        chunk = memoryview(bytearray(min(info.nbytes, _CHECK_CHUNK)))
+        chunk = memoryview(bytearray(min(info.nbytes, HASH_WINDOW)))
         done, start = 0, self.header.data_start + info.start
         while done < info.nbytes:
-            part = chunk[: min(_CHECK_CHUNK, info.nbytes - done)]
+            part = chunk[: min(HASH_WINDOW, info.nbytes - done)]
             read_fully(self._fd, part, start + done, self.path, stored)
             h.update(part)
             done += part.nbytes
@@ -349,8 +349,12 @@ def checksum_error(path: str, bad: list[str]) -> ChecksumError:
     )
 
 
-#: Checksums are computed over chunks of this size, so verifying needs no tensor-sized buffer.
-_CHECK_CHUNK = 16 << 20
+#: Bytes read and checksummed at a time, so verifying needs no tensor-sized buffer. Small
+#: enough that each reading thread's window stays in its core's cache between the read and
+#: the hash: with 4 MiB windows, two threads overflowed an 8 MiB L3 and the hash read the
+#: bytes from memory again (a verified vault load of GPT-2's 497 MB: 225 ms with 4 MiB
+#: windows, 185 ms with 1 MiB; docs/benchmarks.md section 28).
+HASH_WINDOW = 1 << 20
 #: An eager reader may allocate this many bytes for any file, however small.
 MATERIALIZE_FLOOR = 256 << 20
 #: ... and this many times the file's size, for larger files.

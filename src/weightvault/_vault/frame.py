@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from .._base.errors import FormatError
+from .._file.checkpoint import HASH_WINDOW
 from .codec import BLOCK, READABLE, Codec, codec_pool, compress_block, decompress_block
 from .diff import KINDS, apply_delta
 
@@ -348,31 +349,37 @@ def blocks_intact(read_into: ReadInto | None, read: Read, frame: Frame) -> bool 
     """Whether every compressed block of ``frame`` holds the bytes its table's sum says
     (``None`` for a version 1 frame, which has no sums: decode it to check it).
 
-    One read of the file, no decoding; ``read_into`` (a ``preadv``) reads into a reused
-    buffer, else ``read`` slices.
+    One read of the file, no decoding; ``read_into`` (a ``preadv``) reads through a
+    cache-sized window (:data:`HASH_WINDOW`), else ``read`` slices.
     """
     if frame.version == 1:
         return None
     offset = frame.table_end
-    for length, expected in zip(frame.lengths, frame.sums, strict=True):
-        if read_into is None:
-            src: bytes | memoryview = read(offset, length)
-            ok = len(src) == length and xxhash.xxh3_64_intdigest(src) == expected
-        else:
-            buffer = _BUFFERS.take(length)
-            try:
-                with memoryview(buffer)[:length] as view:
-                    try:
-                        read_into(offset, view)
-                    except FormatError:
-                        return False
-                    ok = xxhash.xxh3_64_intdigest(view) == expected
-            finally:
-                _BUFFERS.give(buffer)
-        if not ok:
-            return False
-        offset += length
-    return True
+    buffer = _BUFFERS.take(HASH_WINDOW) if read_into is not None else None
+    try:
+        for length, expected in zip(frame.lengths, frame.sums, strict=True):
+            if buffer is None:
+                src: bytes | memoryview = read(offset, length)
+                ok = len(src) == length and xxhash.xxh3_64_intdigest(src) == expected
+            else:
+                assert read_into is not None
+                h = xxhash.xxh3_64()
+                with memoryview(buffer) as window:
+                    for lo in range(0, length, HASH_WINDOW):
+                        part = window[: min(HASH_WINDOW, length - lo)]
+                        try:
+                            read_into(offset + lo, part)
+                        except FormatError:
+                            return False
+                        h.update(part)
+                ok = h.intdigest() == expected
+            if not ok:
+                return False
+            offset += length
+        return True
+    finally:
+        if buffer is not None:
+            _BUFFERS.give(buffer)
 
 
 class _Buffers:

@@ -28,7 +28,7 @@ import blake3
 import xxhash
 
 from .._base.errors import FormatError
-from .._file.checkpoint import Checkpoint
+from .._file.checkpoint import HASH_WINDOW, Checkpoint
 from .._file.header import TensorInfo
 from .._file.manifest import Manifest
 from .codec import codec_pool
@@ -351,7 +351,7 @@ class OpenObject:
 
 
 #: Raw objects are hashed in windows of this size (a frame's are its blocks).
-_RAW_WINDOW = 4 << 20
+_RAW_WINDOW = HASH_WINDOW
 
 
 def open_object(
