@@ -10,6 +10,9 @@ per core and 8 MiB of L3 in all, two threads with 4 MiB windows did.
 - ``demo``: ``make demo``'s setup (GPT-2 small, only its last block trainable, AdamW),
   three checkpoints; the newest resumed (model + optimizer) with the windows of before this
   section (4 MiB) and after (1 MiB), against ``load_model`` + ``torch.load``.
+- ``file``: GPT-2 small in one file: ``weightvault.torch.load(verify=True)`` with 16 MiB
+  windows (before this section) and 1 MiB, a load without ``verify``, and
+  ``safetensors.torch.load_model``.
 - ``gpt2``: GPT-2 6 x 512 + AdamW, every weight trainable, three checkpoints into a
   default vault (settled with ``compact()``) and a ``compression=None`` one; the settled
   newest, the raw newest and the oldest, both windows, against the plain files.
@@ -20,6 +23,7 @@ deleted at the end.
 
     python3 -c "bytearray(8 << 30)"
     PYTHONPATH=src .venv/bin/python bench/bench_hash_window.py kernel       # ~30 s
+    PYTHONPATH=src .venv/bin/python bench/bench_hash_window.py file         # ~1 min
     PYTHONPATH=src .venv/bin/python bench/bench_hash_window.py demo         # ~1 min
     PYTHONPATH=src .venv/bin/python bench/bench_hash_window.py gpt2         # ~2 min
 """
@@ -104,6 +108,44 @@ def _threads(work: Callable[[int, int], Any], n: int, threads: int) -> None:
         t.join()
 
 
+def single_file(folder: Path, rounds: int) -> None:
+    from _common import build_model
+    from safetensors.torch import load_model, save_model
+
+    import weightvault.torch as wvt
+
+    model, target = build_model(False), build_model(False, seed=1)
+    ours, theirs = str(folder / "ours.safetensors"), str(folder / "theirs.safetensors")
+    wvt.save(model, ours)
+    save_model(model, theirs)
+
+    def verified(window: int) -> Callable[[], None]:
+        def run() -> None:
+            use(window)
+            wvt.load(target, ours, verify=True)
+
+        return run
+
+    contenders: dict[str, Callable[[], Any]] = {
+        "safetensors.torch.load_model": lambda: load_model(target, theirs),
+        "load(verify=True), 16384 KiB windows": verified(16 << 20),
+        "load(verify=True), 1024 KiB windows": verified(NEW),
+        "load()": lambda: wvt.load(target, ours),
+    }
+    compare(contenders, rounds, ["GPT-2 small, one file, warm", "median ms", "vs safetensors"])
+
+
+def compare(contenders: dict[str, Callable[[], Any]], rounds: int, header: list[str]) -> None:
+    """Run ``contenders`` alternating and print each against the first."""
+    try:
+        times = run_rounds(contenders, rounds=rounds, warmup=1)
+    finally:
+        use(NEW)
+    base = med(next(iter(times.values())))
+    rows = [[k, f"{med(v) * 1000:.0f}", f"{med(v) / base:.2f}x"] for k, v in times.items()]
+    print(table(rows, header))
+
+
 def demo(folder: Path) -> tuple[Any, Any, dict[str, weightvault.Vault]]:
     import finetune
 
@@ -156,18 +198,12 @@ def resumes(which: str, folder: Path, rounds: int) -> None:
         name = vault.list()[0].name if "oldest" in label else "latest"
         for window in (OLD, NEW):
             contenders[f"{label}, {window >> 10} KiB windows"] = load(vault, name, window)
-    try:
-        times = run_rounds(contenders, rounds=rounds, warmup=1)
-    finally:
-        use(NEW)
-    base = med(times["files"])
-    rows = [[k, f"{med(v) * 1000:.0f}", f"{med(v) / base:.2f}x"] for k, v in times.items()]
-    print(table(rows, ["resume (model + optimizer)", "median ms", "vs files"]))
+    compare(contenders, rounds, ["resume (model + optimizer)", "median ms", "vs files"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("which", choices=["kernel", "demo", "gpt2"])
+    ap.add_argument("which", choices=["kernel", "file", "demo", "gpt2"])
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
     print(machine())
@@ -175,6 +211,8 @@ def main() -> None:
     try:
         if args.which == "kernel":
             kernel(folder, args.rounds)
+        elif args.which == "file":
+            single_file(folder, args.rounds)
         else:
             resumes(args.which, folder, args.rounds)
     finally:

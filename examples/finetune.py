@@ -193,7 +193,7 @@ def time_against_files(
     vault: weightvault.Vault, model: GPT2LMHeadModel, optimizer: torch.optim.Optimizer
 ) -> None:
     """A save and a resume of model + optimizer, the vault's against plain files', each
-    made durable the same way (fsynced), 3 rounds alternating, medians. The vault's are
+    made durable the same way (fsynced), 5 rounds alternating, medians. The vault's are
     timed in a copy of the demo's vault (its backbone already stored, as in the run), so
     the demo's own stays as the run left it."""
     from safetensors.torch import load_model, save_model
@@ -208,7 +208,7 @@ def time_against_files(
         k: [] for k in ("vault save", "files save", "vault load", "files load")
     }
     try:
-        for r in range(3):
+        for r in range(5):
             with torch.no_grad():  # a step's worth of change, so the save has new bytes
                 for p in wv.trainable(model):
                     p.add_(1e-6)
