@@ -12,7 +12,7 @@ import contextlib
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import wait
 from typing import Any, TypeVar
 
@@ -47,6 +47,33 @@ KEEP_FRACTION = 0.08
 KEEP_FLOOR = 16 << 20
 
 
+def record_objects(doc: Mapping[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """A record's ``objects`` and header text, both required of every checkpoint record.
+
+    Raises:
+        FormatError: Either is missing or of the wrong type.
+    """
+    objects, header = doc.get("objects"), doc.get("header")
+    if not isinstance(objects, dict) or not isinstance(header, str):
+        raise FormatError(f"{where}: checkpoint record lacks its header or objects")
+    return objects, header
+
+
+def check_objects(objects: Mapping[str, Any], tensors: Iterable[str] | None, where: str) -> None:
+    """Check that ``objects`` names exactly the stored ``tensors``, each by a digest
+    (``None``: the header holds no table of tensors).
+
+    Raises:
+        FormatError: They do not match.
+    """
+    if (
+        tensors is None
+        or set(objects) != set(tensors)
+        or not all(isinstance(d, str) and DIGEST.fullmatch(d) for d in objects.values())
+    ):
+        raise FormatError(f"{where}: objects do not match the stored tensors")
+
+
 class VaultCheckpoint(ObjectCheckpoint):
     """One vault checkpoint, read through the same interface as a single file.
 
@@ -76,14 +103,9 @@ class VaultCheckpoint(ObjectCheckpoint):
     def __init__(self, store: Store, name: str, doc: Mapping[str, Any]) -> None:
         where = f"{store.url}/{record_key(name)}"
         self.record = parse_record(name, doc, where)
-        objects = doc.get("objects")
-        if not isinstance(objects, dict) or not isinstance(doc.get("header"), str):
-            raise FormatError(f"{where}: checkpoint record lacks its header or objects")
-        header, manifest = parse_header_text(doc.get("header"), where)
-        if set(objects) != set(header.tensors) or not all(
-            isinstance(h, str) and DIGEST.fullmatch(h) for h in objects.values()
-        ):
-            raise FormatError(f"{where}: objects do not match the stored tensors")
+        objects, text = record_objects(doc, where)
+        header, manifest = parse_header_text(text, where)
+        check_objects(objects, header.tensors, where)
         self._kept: dict[str, memoryview] = {}
         self._arenas: list[_Arena] = []  # what stage() decodes kept objects into
         self._handles: dict[str, OpenObject] = {}

@@ -37,7 +37,7 @@ from typing import Any
 
 from .._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
 from .._file.header import METADATA_KEY
-from .checkpoint import open_record
+from .checkpoint import check_objects, open_record, record_objects
 from .objects import (
     DIGEST,
     content_hash,
@@ -316,19 +316,13 @@ def named_objects(store: Store, name: str, doc: dict[str, Any]) -> set[str]:
     if doc.get("kind") is not None:
         return set(open_record(store, name, doc).objects.values())
     where = f"{store.url}/{record_key(name)}"
-    objects, header = doc.get("objects"), doc.get("header")
-    if not isinstance(objects, dict) or not isinstance(header, str):
-        raise FormatError(f"{where}: checkpoint record lacks its header or objects")
+    objects, header = record_objects(doc, where)
     try:
         tensors = json.loads(header)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{where}: checkpoint header is malformed ({e!r:.100})") from e
-    if (
-        not isinstance(tensors, dict)
-        or set(objects) != set(tensors) - {METADATA_KEY}
-        or not all(isinstance(d, str) and DIGEST.fullmatch(d) for d in objects.values())
-    ):
-        raise FormatError(f"{where}: objects do not match the stored tensors")
+    names = tensors.keys() - {METADATA_KEY} if isinstance(tensors, dict) else None
+    check_objects(objects, names, where)
     return set(objects.values())
 
 
