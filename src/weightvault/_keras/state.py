@@ -36,6 +36,8 @@ from .._file.sharing import Source
 from .._load.plan import LoadOptions, LoadPlan
 from .._load.resume import check_optimizer_class, training_doc
 from .._training import codec as _codec
+from .._training.expect import refuse
+from .._training.known import keras_group_problems
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
 from .walk import NAMES, walk
 
@@ -271,6 +273,7 @@ def _optimizer_values(
     iterations = training["optimizer"].get("iterations")
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 0:
         raise TrainingStateError(f"{ckpt.path}: the optimizer's iterations are malformed")
+    _check_learning_rate(ckpt.path, saved.groups[0].hyper if saved.groups else {}, label)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
     variables = list(optimizer._trainable_variables)
@@ -299,6 +302,16 @@ def _optimizer_values(
     if not _same_config(optimizer, hyper):
         fill.report.groups_kept.append(0)
     return assignments + _schedule_values(optimizer, hyper, iterations)
+
+
+def _check_learning_rate(where: str, hyper: Mapping[str, Any], label: str) -> None:
+    """Refuse a saved configuration whose learning rate could not be restored.
+
+    Raises:
+        FormatError: It lacks ``learning_rate``, or holds neither a number nor a
+            schedule's configuration there.
+    """
+    refuse(where, "optimizer", label, keras_group_problems(hyper, "hyperparameter", label))
 
 
 def _same_config(optimizer: Any, hyper: Mapping[str, Any]) -> bool:

@@ -25,15 +25,16 @@ from .._file.sharing import Source
 from .._load.plan import LoadOptions, LoadPlan
 from .._load.resume import check_optimizer_class, training_doc
 from .._training import codec as _codec
+from .._training.expect import Expect, keys_problems, param_problems, refuse
+from .._training.optimizer import SavedOptimizer, SavedParam
 from .._training.state import Prepared, rename_for as _rename, stored_name as _stored
+from .expect import NOT_HYPER as _NOT_HYPER, group_needs, param_expectations, scheduler_reference
 from .tensors import _dtype_name, bytes_reader, stored_tensor
 from .wrappers import unwrap
 
 Optimizer = torch.optim.Optimizer
 Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler, or anything with state_dict()
 
-#: Group keys that are not hyperparameters: weightvault records parameters by name itself.
-_NOT_HYPER = frozenset({"params", "param_names"})
 #: The training state torch saves beside the weights.
 _KINDS = ("optimizer", "scheduler", "rng")
 
@@ -281,6 +282,9 @@ def _prepare_optimizer(
         saved, groups, rename, strict=options.strict, where=ckpt.path, label=label
     )
     out.optimizer = fill.report
+    # Checked against what the class needs before torch sees it (_torch/expect.py), so
+    # applying can neither raise torch's own KeyError nor leave the optimizer half-loaded.
+    problems = _group_problems(saved, optimizer, label)
     # Read every tensor now: the file may be closed, and nothing may fail, once applying.
     state_dict: dict[str, Any] = {"state": {}, "param_groups": []}
     reads: list[tuple[int, str, str]] = []  # (state index, key, stored name)
@@ -291,18 +295,42 @@ def _prepare_optimizer(
         if source is not None:
             hyper.update(saved.groups[source].hyper)
         hyper["params"] = list(range(index, index + len(group["params"])))
+        expect = param_expectations(optimizer, hyper)
         for pi in range(len(group["params"])):
             disk = fill.fill.get((gi, pi))
             if disk is not None:
                 rec = saved.params[disk]
+                expected = expect(group["params"][pi])
+                problems += _state_problems(ckpt, disk, rec, expected, label)
                 state_dict["state"][index + pi] = dict(rec.values)
                 reads += [(index + pi, k, t) for k, t in rec.tensors.items()]
                 needed += rec.tensors.values()
         index += len(group["params"])
         state_dict["param_groups"].append(hyper)
+    refuse(ckpt.path, "optimizer", label, problems)
     for (i, key, _), tensor in zip(reads, _read_all(ckpt, [t for *_, t in reads]), strict=True):
         state_dict["state"][i][key] = tensor
     return lambda: optimizer.load_state_dict(state_dict)
+
+
+def _group_problems(saved: SavedOptimizer, optimizer: Optimizer, label: str) -> list[str]:
+    """What each saved group lacks of the hyperparameters ``optimizer`` needs."""
+    required, reference = group_needs(optimizer)
+    return [
+        p
+        for gi, g in enumerate(saved.groups)
+        for p in keys_problems(g.hyper, required, reference, f"group {gi} hyperparameter", label)
+    ]
+
+
+def _state_problems(
+    ckpt: Checkpoint, disk: str, rec: SavedParam, expected: Mapping[str, Expect] | None, label: str
+) -> list[str]:
+    """What saved parameter ``disk`` lacks of the state its parameter needs (``expected``)."""
+    if expected is None:
+        return []
+    shapes = {k: tuple(ckpt.stored[_stored_of(ckpt, t)].shape) for k, t in rec.tensors.items()}
+    return param_problems(disk, shapes, rec.values, rec.shape, expected, label)
 
 
 def _prepare_scheduler(
@@ -321,6 +349,9 @@ def _prepare_scheduler(
             f"{label} cannot take; build a {str(doc.get('class'))[:40]} to resume"
         )
     state = {k: _codec.decode(v, where) for k, v in doc["state"].items()}
+    reference = scheduler_reference(scheduler)
+    problems = keys_problems(state, list(reference), reference, "state key", label)
+    refuse(where, "scheduler", label, problems)
     return lambda: scheduler.load_state_dict(state)
 
 
