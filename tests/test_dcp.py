@@ -30,6 +30,7 @@ import _dcp_workers as W  # noqa: E402
 import weightvault  # noqa: E402
 import weightvault.dcp as wdcp  # noqa: E402
 from _dcp_s3 import moto_s3  # noqa: E402
+from _records import read as read_record, rewrite as rewrite_record  # noqa: E402
 from weightvault import CheckpointExistsError, Vault  # noqa: E402
 
 
@@ -203,7 +204,7 @@ def test_retain_drops_a_dcp_checkpoints_optimizer_state_and_keeps_its_weights(
 def _as_version_1(root: Path, name: str, to: str) -> None:
     """Checkpoint ``name`` again as ``to``, in the one-JSON record weightvault wrote before
     per-rank chunk tables (every chunk of every tensor inline)."""
-    doc = json.loads((root / "checkpoints" / f"{name}.json").read_text())
+    doc = read_record(root / "checkpoints" / f"{name}.json")
     with Vault(root).open(name) as ckpt:
         tensors = {
             fqn: {"dtype": t.dtype, "shape": list(t.shape),
@@ -212,7 +213,7 @@ def _as_version_1(root: Path, name: str, to: str) -> None:
         }  # fmt: skip
     section = {k: v for k, v in doc["dcp"].items() if k not in ("tables", "table_sizes")}
     doc["dcp"] = {**section, "version": 1, "tensors": tensors}
-    (root / "checkpoints" / f"{to}.json").write_text(json.dumps(doc))
+    rewrite_record(root / "checkpoints" / f"{to}.json", doc)
 
 
 def test_a_record_of_one_json_still_loads(saved: dict[str, Any]) -> None:
@@ -431,11 +432,11 @@ def test_a_record_with_the_old_tuple_tag_still_loads(tmp_path: Path) -> None:
     model, opt = _trained(1)
     rec = wdcp.save(model, tmp_path, optimizer=opt)
     path = tmp_path / "checkpoints" / f"{rec.name}.json"
-    doc = json.loads(path.read_text())
+    doc = read_record(path)
     old = _old_tags(doc["dcp"]["values"])
     assert old != doc["dcp"]["values"] and "__tuple__" in json.dumps(old)  # AdamW's betas
     doc["dcp"]["values"] = old
-    path.write_text(json.dumps(doc))
+    rewrite_record(path, doc)
 
     fresh, fresh_opt = _trained(2)
     wdcp.load(fresh, tmp_path, rec.name, optimizer=fresh_opt)

@@ -24,6 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _records import read as read_record, seal  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import CheckpointNameError, FormatError, Vault, WeightvaultError  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
@@ -263,7 +264,7 @@ def test_a_damaged_record_is_reported_never_raised(
     second = build(2, width=32)
     vault.save(second)
     path = tmp_path / "checkpoints" / "000001.json"
-    path.write_text(_damage(json.loads(path.read_text()), how))
+    path.write_text(seal(_damage(read_record(path), how)))  # sealed: the field's check is reached
 
     report = vault.verify()
     assert not report.ok

@@ -25,7 +25,6 @@ gc frees once the intent is an hour old.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -40,10 +39,11 @@ from . import pack as _pack
 from .codec import CODECS, DEFAULT
 from .delta import Encoder, stored_depth
 from .gc import wait_for_gc
+from .intents import encode_intent
 from .marker import create_vault, upgrade_vault
 from .objects import object_key
 from .pack import PackWriter, pack_groups, pack_parts, pack_table
-from .records import next_name, record_key
+from .records import encode_record, next_name, record_key
 from .store import Store
 
 __all__ = [
@@ -147,9 +147,8 @@ def begin(store: Store, digests: Iterable[str], *, gc_wait: float) -> str:
     """
     create_vault(store)
     intent = f"intents/{uuid.uuid4().hex}.json"
-    doc = {"created": time.time(), "objects": sorted(set(digests))}
     # Seen by every gc at once; a crash ends the save, so nothing needs it after one.
-    store.put(intent, json.dumps(doc).encode(), durable=False)
+    store.put(intent, encode_intent(digests, time.time()), durable=False)
     try:
         wait_for_gc(store, gc_wait)
     except BaseException:
@@ -293,7 +292,7 @@ def commit_record(store: Store, doc: Mapping[str, Any], name: str | None) -> str
     Raises:
         CheckpointExistsError: Another writer took ``name`` first.
     """
-    payload = json.dumps(doc, separators=(",", ":")).encode()
+    payload = encode_record(doc)
     for _ in range(1000):
         chosen = name or next_name(store)
         if store.put(record_key(chosen), payload, exclusive=True):

@@ -23,6 +23,7 @@ from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
 from .._file.header import TensorInfo, encode_header
 from .._file.manifest import MANIFEST_KEY, Manifest
+from .._training.codec import decode
 from .dcp_layout import Chunk, Layout, grid_chunk, parse_layout, parse_table
 from .objects import (
     ObjectCheckpoint,
@@ -32,6 +33,7 @@ from .objects import (
     prefetch,
     read_object,
 )
+from .pack import missing
 from .records import parse_header_text, parse_record, record_key
 from .store import Store
 
@@ -99,6 +101,33 @@ def resolve_tensors(
         chunks = [grid_chunk(fqn, g, c, tables[g.table_of(c)], where) for c in g.cells()]
         out[fqn] = ChunkedTensor(t.dtype, t.shape, tuple(chunks))
     return out
+
+
+def check_section(section: Mapping[str, Any], tensors: Mapping[str, Any], where: str) -> None:
+    """The checks a DCP load (:mod:`weightvault.dcp`) makes of a record's ``dcp`` section
+    beyond its chunk layout (``tensors``, by name): the ties name stored tensors, the
+    frozen names and mappings are lists, and every non-tensor value decodes. For
+    ``verify``, which has no torch to open the checkpoint through DCP.
+
+    Raises:
+        FormatError: What a DCP load would refuse, naming the record and the field.
+    """
+    try:
+        ties = {str(a): str(c) for a, c in dict(section.get("ties", {})).items()}
+        [str(f) for f in section.get("frozen", [])]
+        values = dict(section.get("values", {}))
+        for v in dict(section.get("mappings", {})).values():
+            tuple(v)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise FormatError(
+            f"{where}: DCP record's ties, frozen names, values or mappings are malformed "
+            f"({e!r:.80}); restore the record or delete the checkpoint"
+        ) from e
+    for alias, canon in ties.items():
+        if canon not in tensors:
+            raise FormatError(f"{where}: tie {alias!r} -> {canon!r} names no stored tensor")
+    for fqn, value in values.items():
+        decode(value, f"{where}: value {fqn!r}")
 
 
 def model_header(
@@ -202,7 +231,7 @@ class DcpCheckpoint(ObjectCheckpoint):
                     self.store, c.digest, expected, files=self._files
                 )
             except FileNotFoundError:
-                raise damaged(self.path, stored, "a chunk object is missing") from None
+                raise missing(self.store, self.path, stored, "a chunk object is missing") from None
             except FormatError as e:
                 raise damaged(self.path, stored, str(e)) from None
         data = self._pieces[c.digest]

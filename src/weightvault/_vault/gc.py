@@ -38,6 +38,7 @@ from typing import Any
 from .._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
 from .._file.header import METADATA_KEY
 from .checkpoint import check_objects, open_record, record_objects
+from .intents import read_intent
 from .objects import (
     DIGEST,
     content_hash,
@@ -267,15 +268,10 @@ def _intent_objects(store: Store, beat: Beat, expire_before: float | None) -> se
             store.delete(blob.key)
             continue
         try:
-            doc = json.loads(store.get(blob.key))
-            live |= {str(h) for h in doc["objects"]}
+            live |= set(read_intent(store.get(blob.key), f"{store.url}/{blob.key}"))
         except FileNotFoundError:
             continue  # its save finished; its checkpoint is read next
-        except (ValueError, KeyError, TypeError, RecursionError) as e:
-            raise FormatError(
-                f"{store.url}/{blob.key}: unreadable intent; gc deleted nothing. It "
-                "expires after an hour, or delete it if no save is running"
-            ) from e
+        # A damaged intent (read_intent's FormatError) stops gc: it deletes nothing.
         beat()
     return live
 

@@ -4,6 +4,12 @@ A vault is created by its first write (a save's intent, see :mod:`.commit`) or b
 ``Vault(path, create=True)``, never by opening it: ``Vault("typo")`` followed by a read
 raises :class:`VaultNotFoundError` and leaves nothing behind.
 
+``vault.json`` is sealed by its checksum (:mod:`.seal`)::
+
+    {"format":"weightvault-vault","version":2,"hash":"blake3","sum":"<xxh3-128 hex>"}
+
+A marker written before seals holds the first three fields only and is read as before.
+
 Example:
     >>> holds_vault(open_store("runs/none-yet"))
     False
@@ -12,8 +18,10 @@ Example:
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from .._base.errors import FormatError, VaultNotFoundError
+from .._base.errors import ChecksumError, FormatError, VaultNotFoundError, capped
+from .seal import SUM, seal_json, unseal
 from .store import Store
 
 __all__ = [
@@ -34,6 +42,8 @@ MARKER = "vault.json"
 #: compactor takes them out. Both are read; a vault becomes 2 when a save writes a pack.
 LAYOUT = 2
 _READS = (1, 2)
+#: The fields of ``vault.json`` besides its checksum (:mod:`.seal`).
+_KEYS = {"format", "version", "hash"}
 
 
 def _not_a_vault(store: Store, why: str) -> FormatError:
@@ -64,6 +74,8 @@ def holds_vault(store: Store) -> bool:
         version = found.get("version")
     except (ValueError, AttributeError, RecursionError):
         ours, version = False, None
+    if ours:
+        _unseal(bytes(raw), found, f"{store.url}/{MARKER}")
     if ours and version not in _READS:
         raise FormatError(
             f"{store.url}/{MARKER}: vault format version {version!r}, which this "
@@ -75,6 +87,31 @@ def holds_vault(store: Store) -> bool:
     return True
 
 
+def _unseal(raw: bytes, doc: dict[str, Any], where: str) -> bool:
+    """Check the checksum of ``vault.json``; whether it has one.
+
+    Every marker this code writes is sealed, and one written before holds only
+    :data:`_KEYS`: so a marker holding anything else (``"sux"``, a ``"sum"`` whose
+    name one changed byte damaged) is refused, and no change of one byte makes a sealed
+    marker one read unchecked.
+
+    Raises:
+        ChecksumError: The marker holds another field, or its checksum does not match.
+    """
+    fix = "restore it from a mirror, or write it anew as docs/format.md shows"
+    extra = sorted(set(doc) - _KEYS - {SUM})
+    if extra:
+        raise ChecksumError(
+            f"{where}: vault.json holds {capped(repr(k)[:40] for k in extra)}, which no "
+            f"weightvault writes: it is damaged; {fix}"
+        )
+    return unseal(raw, doc, where, "vault.json", sealed=SUM in doc, fix=fix)
+
+
+def _marker(version: int) -> bytes:
+    return seal_json({"format": FORMAT, "version": version, "hash": "blake3"})
+
+
 def create_vault(store: Store) -> None:
     """Make the root a vault, unless it is one already (the first writer wins).
 
@@ -83,8 +120,7 @@ def create_vault(store: Store) -> None:
     """
     if holds_vault(store):
         return
-    marker = {"format": FORMAT, "version": LAYOUT, "hash": "blake3"}
-    if not store.put(MARKER, json.dumps(marker).encode(), exclusive=True):
+    if not store.put(MARKER, _marker(LAYOUT), exclusive=True):
         holds_vault(store)  # another writer made it meanwhile: check it is a vault
 
 
@@ -99,8 +135,7 @@ def upgrade_vault(store: Store) -> None:
     the first pack is written: a weightvault that reads only layout 1 then refuses the
     vault by its version instead of finding packed objects missing."""
     if layout_of(store) < LAYOUT:
-        marker = {"format": FORMAT, "version": LAYOUT, "hash": "blake3"}
-        store.put(MARKER, json.dumps(marker).encode())
+        store.put(MARKER, _marker(LAYOUT))
 
 
 def require_vault(store: Store) -> None:

@@ -7,8 +7,12 @@ now writes them into one pack, ``packs/<id>.pack``::
 
     b"WVPACK01"                                  8 bytes
     each object's raw bytes, at offsets that are multiples of 64
-    the index: UTF-8 JSON {"version": 1, "objects": {digest: [offset, size]}}
+    the index: UTF-8 JSON {"objects": {digest: [offset, size]}, "version": 2, "sum": ...}
     the index's length, u64 little-endian; b"WVPACKIX"    16 bytes
+
+The index ends with its checksum (``"sum"``, see :mod:`.seal`): a damaged index is
+refused whole, by name, instead of pointing a read at other bytes. Version 1 indexes,
+written before, have none and are read as before.
 
 A pack is written whole, made durable, then renamed into place, and never changed after;
 its index is at its end so that a writer needs to know nothing before the bytes. An object
@@ -48,22 +52,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._base.atomic import WRITEBACK_BYTES, open_temp, start_writeback
-from .._base.errors import FormatError
+from .._base.errors import ChecksumError, FormatError, capped
+from .seal import seal_json, unseal
 from .store import Store
 
 __all__ = [
     "ALIGN",
+    "INDEX_VERSION",
     "PACKS",
     "PACK_BYTES",
     "PACK_OBJECT",
     "PackTable",
     "PackWriter",
     "Packed",
+    "check_pack",
     "encode_index",
     "find",
     "forget",
     "is_pack",
     "layout",
+    "missing",
     "new_pack_name",
     "pack_groups",
     "pack_key",
@@ -87,6 +95,14 @@ MAX_INDEX = 64 << 20
 #: Where packs live.
 PACKS = "packs"
 _TAIL = 16
+#: The index version written: 2 is sealed by its checksum (:mod:`.seal`); 1, written
+#: before indexes were sealed, is still read.
+INDEX_VERSION = 2
+_INDEX_READS = (1, 2)
+_FIX = (
+    "its objects count as missing; restore the pack from a mirror, or delete the "
+    "checkpoints that need them"
+)
 _NAME = re.compile(r"[0-9a-f]{32}\.pack")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -165,9 +181,10 @@ def pack_parts(objects: Sequence[tuple[str, bytes | memoryview]]) -> tuple[str, 
 
 
 def encode_index(entries: Mapping[str, tuple[int, int]]) -> bytes:
-    """The index and the tail that follow the objects (``{digest: (offset, size)}``)."""
-    doc = {"version": 1, "objects": {d: [o, s] for d, (o, s) in entries.items()}}
-    body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    """The index and the tail that follow the objects (``{digest: (offset, size)}``),
+    sealed by its checksum (:mod:`.seal`)."""
+    doc = {"version": INDEX_VERSION, "objects": {d: [o, s] for d, (o, s) in entries.items()}}
+    body = seal_json(doc, sort_keys=True)
     return body + struct.pack("<Q", len(body)) + FOOTER
 
 
@@ -179,7 +196,15 @@ def parse_index(tail: bytes, body: bytes, file_size: int, where: str) -> dict[st
 
     Raises:
         FormatError: The index is damaged or points outside the pack.
+        ChecksumError: A sealed index does not match its checksum.
     """
+    return _parse_index(tail, body, file_size, where)[0]
+
+
+def _parse_index(
+    tail: bytes, body: bytes, file_size: int, where: str
+) -> tuple[dict[str, Packed], bool]:
+    """:func:`parse_index`, and whether the index carries a checksum."""
     leaf = where.rsplit("/", 1)[-1]
     length = index_length(tail, file_size, where)
     if len(body) != length:
@@ -189,8 +214,11 @@ def parse_index(tail: bytes, body: bytes, file_size: int, where: str) -> dict[st
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise FormatError(f"{where}: the pack's index is not JSON; the pack is damaged") from None
     objects = doc.get("objects") if isinstance(doc, dict) else None
-    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(objects, dict):
-        raise FormatError(f"{where}: the pack's index is not a version 1 index")
+    version = doc.get("version") if isinstance(doc, dict) else None
+    if type(version) is not int or version not in _INDEX_READS or not isinstance(objects, dict):
+        raise FormatError(f"{where}: the pack's index is not a version 1 or 2 index")
+    # Version 2 indexes are sealed; a version 1 index (written before) has no sum.
+    sealed = unseal(body, doc, where, "pack index", sealed=version == 2, fix=_FIX)
     end = file_size - _TAIL - length
     out = {}
     for digest, entry in objects.items():
@@ -207,7 +235,7 @@ def parse_index(tail: bytes, body: bytes, file_size: int, where: str) -> dict[st
             shown = f"{str(digest)[:64]!r}: {str(entry)[:60]}"
             raise FormatError(f"{where}: the pack's index entry {shown} is not an object in it")
         out[digest] = Packed(leaf, entry[0], entry[1])
-    return out
+    return out, sealed
 
 
 def index_length(tail: bytes, file_size: int, where: str) -> int:
@@ -229,8 +257,14 @@ def read_index(store: Store, key: str) -> dict[str, Packed]:
 
     Raises:
         FileNotFoundError: The pack is gone.
-        FormatError: It is damaged.
+        FormatError: It is damaged (a :class:`ChecksumError` when its checksum fails).
     """
+    return check_pack(store, key)[0]
+
+
+def check_pack(store: Store, key: str) -> tuple[dict[str, Packed], bool]:
+    """:func:`read_index`, and whether the index carries a checksum (one written before
+    indexes were sealed does not)."""
     size = store.size(key)
     if size is None:
         raise FileNotFoundError(key)
@@ -240,7 +274,7 @@ def read_index(store: Store, key: str) -> dict[str, Packed]:
     tail = store.get_range(key, size - _TAIL, size)
     length = index_length(tail, size, where)
     body = store.get_range(key, size - _TAIL - length, size - _TAIL)
-    return parse_index(tail, body, size, where)
+    return _parse_index(tail, body, size, where)
 
 
 class PackTable:
@@ -256,6 +290,7 @@ class PackTable:
         self._where: dict[str, Packed] = {}
         self._packs: dict[str, dict[str, Packed]] = {}  # pack name -> its index
         self.damaged: dict[str, str] = {}  # pack name -> why
+        self._unsealed: set[str] = set()  # those of them whose index failed its checksum
 
     def refresh(self, store: Store) -> None:
         """List ``packs/`` (and gcs' trash), read the indexes not read yet, and forget the
@@ -277,6 +312,8 @@ class PackTable:
             except FormatError as e:
                 with self._lock:
                     self.damaged[name] = str(e)
+                    if isinstance(e, ChecksumError):
+                        self._unsealed.add(name)
                 continue
             with self._lock:
                 self._packs[name] = index
@@ -288,6 +325,7 @@ class PackTable:
 
     def _drop(self, name: str) -> None:
         self.damaged.pop(name, None)
+        self._unsealed.discard(name)
         for digest in self._packs.pop(name, {}):
             where = self._where.get(digest)
             if where is None or where.pack != name:
@@ -320,6 +358,12 @@ class PackTable:
         with self._lock:
             self._drop(name)
 
+    def refused(self) -> tuple[dict[str, str], bool]:
+        """``{pack name: why}`` of the packs refused as damaged, and whether one of them
+        failed its checksum."""
+        with self._lock:
+            return dict(self.damaged), bool(self._unsealed)
+
 
 _tables: dict[str, PackTable] = {}
 _tables_lock = threading.Lock()
@@ -342,6 +386,29 @@ def find(store: Store, digest: str, *, refresh: bool = True) -> Packed | None:
 def forget(store: Store, name: str) -> None:
     """Forget pack ``name`` of ``store`` (it was found gone)."""
     pack_table(store).forget(name)
+
+
+def missing(store: Store, where: str, stored: str, what: str) -> FormatError:
+    """The error for tensor ``stored`` of checkpoint ``where`` whose object is nowhere
+    (``what`` says which). A pack whose index was refused may hold the object, so the
+    error names it, as a :class:`ChecksumError` when that index failed its checksum.
+
+    Example:
+        >>> raise missing(store, "runs/a/checkpoints/000001.json", "w", "its object is missing")
+        ChecksumError: ...: tensor 'w': its object is missing, and may be in pack ...
+    """
+    refused, unsealed = pack_table(store).refused()
+    if not refused:
+        return FormatError(
+            f"{where}: tensor {stored!r}: {what}; the vault is damaged, run "
+            "'weightvault vault ROOT verify'"
+        )
+    names = sorted(refused)
+    message = (
+        f"{where}: tensor {stored!r}: {what}, and may be in a pack whose index is damaged: "
+        f"{capped(names)} ({refused[names[0]]})"
+    )
+    return ChecksumError(message, [stored]) if unsealed else FormatError(message)
 
 
 class PackWriter:

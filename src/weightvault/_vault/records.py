@@ -34,9 +34,12 @@ from .._base.errors import (
 )
 from .._file.header import Header, parse_header
 from .._file.manifest import Manifest, read_manifest
+from .seal import seal, unseal
 from .store import Store
 
 __all__ = [
+    "LABELS",
+    "READABLE",
     "VERSION",
     "CheckpointRecord",
     "check_free",
@@ -44,20 +47,29 @@ __all__ = [
     "creation_order",
     "data_size",
     "delete_record",
+    "encode_record",
     "head_fields",
+    "label_times",
     "list_docs",
     "list_records",
     "next_name",
     "parse_header_text",
     "parse_record",
     "read_doc",
+    "read_sealed",
     "record_key",
     "record_names",
     "resolve",
+    "rewrite_record",
 ]
 
-#: The version of the vault layout and of every record in it.
-VERSION = 1
+#: The version of every record this code writes: 2 is a record sealed by its own
+#: checksum (``"sum"``, the last field), 1 one written before records were sealed.
+VERSION = 2
+#: The record versions this code reads.
+READABLE = (1, 2)
+#: What a damaged record's message suggests.
+_FIX = "restore the record from a mirror (vault.pull) or delete the checkpoint"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: The largest count a record may hold (byte counts, tensor counts).
 _MAX_COUNT = 2**63 - 1
@@ -82,6 +94,9 @@ class CheckpointRecord:
         written_bytes: What those new objects take on disk, compressed (as ``new_bytes``
             for checkpoints saved before objects were compressed).
         weights_only: Its training state was dropped (``retain(training_state_last=)``).
+        labels: The labels its record carries (``("best",)`` after ``vault.mark(name)``);
+            where two records carry one, the newer mark names the checkpoint
+            (:func:`~.marks.marks`).
     """
 
     name: str
@@ -94,9 +109,18 @@ class CheckpointRecord:
     tensors: int = 0
     written_bytes: int = 0
     weights_only: bool = False
+    labels: tuple[str, ...] = ()
 
 
-def check_name(name: object, where: str, *, latest: bool = False) -> str:
+#: The labels :meth:`Vault.mark` puts on a checkpoint. Reads take each in place of a name,
+#: as they take ``latest``, so none may name a new checkpoint.
+LABELS = ("best",)
+#: What a label in a record may look like (a record is hostile input), and how many.
+_LABEL = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+_MAX_LABELS = 8
+
+
+def check_name(name: object, where: str, *, latest: bool = False, new: bool = False) -> str:
     """``name`` itself if it may name a checkpoint; the one check every entry point uses.
 
     A name becomes a key under ``checkpoints/`` (and ``deleted/``), so anything that could
@@ -106,11 +130,21 @@ def check_name(name: object, where: str, *, latest: bool = False) -> str:
         name: What the caller passed.
         where: The vault, for the message.
         latest: Also accept ``"latest"`` (reads resolve it to the newest checkpoint).
+        new: ``name`` is for a new checkpoint: a label (:data:`LABELS`, ``best``) is
+            refused too, since reads take it for the checkpoint it marks. A checkpoint
+            named ``best`` before labels existed still reads, lists and deletes by name.
 
     Raises:
         CheckpointNameError: ``name`` is not 1 to 128 ASCII letters, digits, ``.``, ``_``
-            and ``-`` starting with a letter or digit, or is ``latest`` where not allowed.
+            and ``-`` starting with a letter or digit, or is ``latest`` where not allowed,
+            or a label for a new checkpoint.
     """
+    if isinstance(name, str) and new and name in LABELS:
+        raise CheckpointNameError(
+            f"{where}: checkpoint name {name!r} is a label, which reads take for the "
+            f"checkpoint it marks; save under another name and mark it: "
+            f"vault.mark(name, {name!r})"
+        )
     if isinstance(name, str) and (
         (latest and name == "latest") or (name != "latest" and _NAME.fullmatch(name))
     ):
@@ -137,7 +171,7 @@ def check_free(store: Store, name: str | None) -> None:
     """
     if name is None:
         return
-    check_name(name, store.url)
+    check_name(name, store.url, new=True)
     if store.exists(record_key(name)):
         raise CheckpointExistsError(
             f"{store.url}: checkpoint {name!r} already exists; pick another name "
@@ -181,13 +215,50 @@ def record_names(store: Store) -> list[str]:
     return out
 
 
+def encode_record(doc: Mapping[str, Any]) -> bytes:
+    """The bytes of record ``doc``, sealed: its JSON with a last field ``"sum"``, the
+    xxh3-128 of every byte before it (the JSON up to that field, closed by ``}``). A
+    record read as version 1 (written before records were sealed) is written as version
+    2: a version 1 record may not carry a sum.
+
+    Example:
+        >>> encode_record({"version": 1, "created": 1.5})
+        b'{"version":2,"created":1.5,"sum":"..."}'
+    """
+    sealed = {k: v for k, v in doc.items() if k != "sum"}
+    sealed["version"] = VERSION  # in place: the version stays first, for head_fields
+    return seal(json.dumps(sealed, separators=(",", ":")).encode())
+
+
+def rewrite_record(store: Store, name: str, doc: Mapping[str, Any]) -> bool:
+    """Replace checkpoint ``name``'s record with ``doc``, sealed, durably and atomically.
+
+    Returns:
+        False, and nothing written, if the record was deleted meanwhile (a record is
+        never brought back).
+    """
+    key = record_key(name)
+    if not store.exists(key):
+        return False
+    store.put(key, encode_record(doc))
+    store.sync([key])
+    return True
+
+
 def read_doc(store: Store, name: str) -> dict[str, Any]:
-    """Checkpoint ``name``'s record as JSON, its version checked.
+    """Checkpoint ``name``'s record as JSON, its version and checksum checked.
 
     Raises:
         CheckpointNotFoundError: No checkpoint has that name.
         FormatError: The record is a folder, not JSON, or of an unknown version.
+        ChecksumError: The record's bytes do not match its own checksum.
     """
+    return read_sealed(store, name)[0]
+
+
+def read_sealed(store: Store, name: str) -> tuple[dict[str, Any], bool]:
+    """As :func:`read_doc`, and whether the record carries a checksum (a record written
+    before records were sealed does not; it loads as it always did)."""
     key = record_key(check_name(name, store.url))
     try:
         raw = store.get(key)
@@ -198,17 +269,18 @@ def read_doc(store: Store, name: str) -> dict[str, Any]:
         ) from None
     except IsADirectoryError:
         raise FormatError(f"{store.url}/{key}: checkpoint record is a folder") from None
+    where = f"{store.url}/{key}"
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise FormatError(f"{store.url}/{key}: checkpoint record is not valid JSON") from e
+        raise FormatError(f"{where}: checkpoint record is not valid JSON") from e
     if (
         not isinstance(doc, dict)
         or type(doc.get("version")) is not int
-        or doc["version"] != VERSION
+        or doc["version"] not in READABLE
     ):
-        raise FormatError(f"{store.url}/{key}: unknown checkpoint record version")
-    return doc
+        raise FormatError(f"{where}: unknown checkpoint record version")
+    return doc, unseal(raw, doc, where, "checkpoint record", sealed=doc["version"] != 1, fix=_FIX)
 
 
 def list_records(store: Store) -> list[CheckpointRecord]:
@@ -337,7 +409,7 @@ def creation_order(
         except OSError:
             fields = {}  # a folder, say: read_doc says what is wrong
         created = fields.get("created")
-        if fields.get("version") == VERSION and _is_moment(created):
+        if fields.get("version") in READABLE and _is_moment(created):
             out.append((float(fields["created"]), name))
             continue
         try:
@@ -469,4 +541,41 @@ def parse_record(name: str, doc: Mapping[str, Any], where: str) -> CheckpointRec
         weights_only=_field(
             doc, where, "weights_only", lambda v: type(v) is bool, "true or false", False
         ),
+        labels=tuple(sorted(label_times(doc, where))),
     )
+
+
+def label_times(doc: Mapping[str, Any], where: str) -> dict[str, float]:
+    """A record's ``labels`` field, checked: ``{label: when it was marked}``.
+
+    The field comes before every field whose value is an object or an array (where
+    :meth:`Vault.mark` writes it), so the 512 bytes a resume reads of each record tell
+    whether it carries a label (:func:`~.marks.marks`) without reading it whole.
+
+    Raises:
+        FormatError: It is not an object of at most 8 labels (lowercase letters, digits,
+            ``_`` and ``-``) each with a time, or it comes after an object or an array.
+    """
+    if "labels" not in doc:
+        return {}
+    value = doc["labels"]
+    if not (
+        isinstance(value, dict)
+        and len(value) <= _MAX_LABELS
+        and all(isinstance(k, str) and _LABEL.fullmatch(k) and _is_moment(t)
+                for k, t in value.items())
+    ):  # fmt: skip
+        raise FormatError(
+            f"{where}: checkpoint record field 'labels' is {_shown(value)}, expected an "
+            f'object of at most {_MAX_LABELS} labels (such as "best") each with the time '
+            "it was marked; restore the record or delete it"
+        )
+    before = list(doc)[: list(doc).index("labels")]
+    late = [k for k in before if isinstance(doc[k], (dict, list))]
+    if late:
+        raise FormatError(
+            f"{where}: checkpoint record field 'labels' comes after {late[0]!r}, an object; "
+            "it must come before every object and array (where vault.mark writes it); "
+            "restore the record or delete it"
+        )
+    return {k: float(t) for k, t in value.items()}

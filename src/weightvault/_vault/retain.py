@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -37,7 +36,7 @@ from .._file.layout import is_training
 from .._file.manifest import MANIFEST_KEY, Manifest
 from .checkpoint import VaultCheckpoint
 from .dcp_record import KIND as DCP, DcpCheckpoint
-from .records import creation_order, read_doc, record_key
+from .records import creation_order, read_doc, rewrite_record
 from .store import Store
 from .todo import mark
 
@@ -182,12 +181,7 @@ def drop_training(store: Store, name: str, split: Split | None = None) -> bool:
         VaultCheckpoint(store, name, new)
     else:
         return False
-    key = record_key(name)
-    if not store.exists(key):
-        return False  # deleted while we read it: do not bring it back
-    store.put(key, json.dumps(new, separators=(",", ":")).encode())
-    store.sync([key])
-    return True
+    return rewrite_record(store, name, new)  # deleted meanwhile: not brought back
 
 
 def drop_training_except_last(
