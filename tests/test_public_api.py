@@ -224,3 +224,23 @@ def test_no_bare_base_error_is_raised():
         if re.search(r"raise WeightvaultError\(", line)
     ]
     assert not bare, bare
+
+
+def test_vault_marks_and_walk_are_pinned():
+    # The training-loop callbacks mark the best checkpoint through these very calls.
+    import dataclasses
+    import inspect
+
+    shape = {
+        m: str(inspect.signature(getattr(weightvault.Vault, m)))
+        for m in ("mark", "unmark", "marks", "walk")
+    }
+    assert shape == {
+        "mark": "(self, name: 'str', label: 'str' = 'best') -> 'None'",
+        "unmark": "(self, label: 'str' = 'best') -> 'str | None'",
+        "marks": "(self) -> 'dict[str, str]'",
+        "walk": "(self, model: 'Any', names: 'Sequence[str] | None' = None, *, "
+        "verify: 'bool' = True, **options: 'Any') -> 'Iterator[tuple[str, Any]]'",
+    }
+    fields = {f.name: f.default for f in dataclasses.fields(weightvault.CheckpointRecord)}
+    assert fields["labels"] == ()

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 
 import weightvault  # noqa: E402
 import weightvault.torch as wvt  # noqa: E402
+from _records import read as read_record, rewrite as rewrite_record, seal  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import (  # noqa: E402
     CheckpointExistsError,
@@ -100,7 +101,8 @@ def test_the_first_save_creates_the_vault_and_it_reopens(tmp_path: Path) -> None
     vault = Vault(root)  # a PathLike; opening creates nothing
     assert not root.exists()
     vault.save(build(1, width=64), "first")  # parents created
-    marker = json.loads((root / "vault.json").read_text())
+    text = (root / "vault.json").read_text()
+    marker = json.loads(text)
     assert (
         marker["format"] == "weightvault-vault" and marker["version"] == 2
     )  # layout 2: packs (docs/format.md)
@@ -108,7 +110,7 @@ def test_the_first_save_creates_the_vault_and_it_reopens(tmp_path: Path) -> None
     again = Vault(str(root))
     assert [r.name for r in again.list()] == ["first"]
     assert [r.name for r in Vault(f"file://{root}").list()] == ["first"]
-    assert (root / "vault.json").read_text() == json.dumps(marker)  # left as it was
+    assert (root / "vault.json").read_text() == text  # left as it was
 
 
 READS: list[tuple[str, Any]] = [
@@ -209,10 +211,10 @@ def test_save_returns_the_committed_record(tmp_path: Path) -> None:
 def test_default_names_increase_and_list_is_oldest_first(tmp_path: Path) -> None:
     vault = Vault(tmp_path)
     names = [vault.save(build(i, width=16)).name for i in range(3)]
-    names.append(vault.save(build(3, width=16), "best").name)
+    names.append(vault.save(build(3, width=16), "keep").name)
     names += [vault.save(build(i, width=16)).name for i in range(4, 6)]
 
-    assert names == ["000001", "000002", "000003", "best", "000004", "000005"]
+    assert names == ["000001", "000002", "000003", "keep", "000004", "000005"]
     listed = vault.list()
     assert [r.name for r in listed] == names
     assert [r.created for r in listed] == sorted(r.created for r in listed)
@@ -231,18 +233,18 @@ def test_default_names_are_never_reused(tmp_path: Path) -> None:
 def test_an_existing_name_is_refused_and_the_checkpoint_kept(tmp_path: Path) -> None:
     vault = Vault(tmp_path)
     original = build(1, width=64)
-    vault.save(original, "best")
+    vault.save(original, "keep")
     before = object_files(tmp_path)
 
-    with pytest.raises(CheckpointExistsError, match="best") as info:
-        vault.save(build(2, width=64), "best")
+    with pytest.raises(CheckpointExistsError, match="keep") as info:
+        vault.save(build(2, width=64), "keep")
     assert isinstance(info.value, FileExistsError)
     assert isinstance(info.value, WeightvaultError)
 
     assert object_files(tmp_path) == before  # refused before writing anything
-    assert [r.name for r in vault.list()] == ["best"]
+    assert [r.name for r in vault.list()] == ["keep"]
     model = fresh()
-    vault.load(model, "best")
+    vault.load(model, "keep")
     assert_bitwise(snapshot(model), snapshot(original))
 
 
@@ -252,8 +254,8 @@ def test_a_name_taken_between_check_and_commit_is_refused(
     """The exclusive create is the commit: another writer's record is never overwritten."""
     vault = Vault(tmp_path, compression=None)  # raw objects: bytes are counted
     original = build(1, width=64)
-    vault.save(original, "best")
-    # Another writer created "best" after our existence check: make that check miss it.
+    vault.save(original, "keep")
+    # Another writer created "keep" after our existence check: make that check miss it.
     real_exists = vault.store.exists
     monkeypatch.setattr(
         vault.store,
@@ -263,10 +265,10 @@ def test_a_name_taken_between_check_and_commit_is_refused(
 
     intruder = build(2, width=64)
     with pytest.raises(CheckpointExistsError, match="another writer"):
-        vault.save(intruder, "best")
+        vault.save(intruder, "keep")
 
     model = fresh()
-    vault.load(model, "best")
+    vault.load(model, "keep")
     assert_bitwise(snapshot(model), snapshot(original))
     vault.wait()
     assert not list((tmp_path / "intents").iterdir())
@@ -769,9 +771,9 @@ def test_a_corrupt_record_is_reported_and_refused(
     objects = object_files(root)
     path = root / "checkpoints" / "000001.json"
     if content == "fields missing":
-        doc = json.loads(path.read_text())
+        doc = read_record(path)
         del doc["header"], doc["created"]
-        content = json.dumps(doc).encode()
+        content = seal(json.dumps(doc)).encode()  # sealed: the fields' check is reached
     assert isinstance(content, bytes)
     path.write_bytes(content)
 
@@ -796,9 +798,9 @@ def test_a_corrupt_record_is_reported_and_refused(
 def test_a_record_with_a_bad_object_digest_is_refused(two_checkpoints: tuple[Vault, Path]) -> None:
     vault, root = two_checkpoints
     path = root / "checkpoints" / "000002.json"
-    doc = json.loads(path.read_text())
+    doc = read_record(path)
     doc["objects"]["head.weight"] = "../../vault.json"
-    path.write_text(json.dumps(doc))
+    rewrite_record(path, doc)
     assert not vault.verify().ok
     with pytest.raises(FormatError, match="objects"):
         vault.load(fresh(), "000002")
@@ -810,9 +812,9 @@ def test_gc_refuses_to_guess_when_a_record_lacks_its_objects(tmp_path: Path) -> 
     vault.save(build(0))
     vault.save(build(1))
     record = tmp_path / "checkpoints" / "000002.json"
-    doc = json.loads(record.read_text())
+    doc = read_record(record)
     del doc["objects"]
-    record.write_text(json.dumps(doc))
+    rewrite_record(record, doc)
     before = object_files(tmp_path)
     with pytest.raises(weightvault.FormatError, match=r"gc deleted nothing.*'000002'"):
         vault.gc()

@@ -6,6 +6,7 @@ The figures come from :mod:`.._vault.usage`; this module only words them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -57,12 +58,24 @@ def summary(use: VaultUsage) -> str:
     return text + f": {human(use.object_bytes)} of objects, {human(records)} of records"
 
 
-def log_doc(use: VaultUsage) -> dict[str, Any]:
-    """``log --json``: each record with its bytes on disk and ratio, and the totals."""
+def marked(marks: Mapping[str, str]) -> dict[str, list[str]]:
+    """``{checkpoint: its labels}`` from ``{label: checkpoint}`` (``vault.marks()``)."""
+    out: dict[str, list[str]] = {}
+    for label, name in sorted(marks.items()):
+        out.setdefault(name, []).append(label)
+    return out
+
+
+def log_doc(use: VaultUsage, marks: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``log --json``: each record with its bytes on disk and ratio, and the totals;
+    ``labels`` lists the labels that name the checkpoint (``marks``, as
+    ``vault.marks()`` gives them: a stale copy a crash left in another record is not)."""
     checkpoints = []
+    held = marked(marks or {})
     for r, c in zip(use.records, use.checkpoints, strict=True):
         doc = asdict(r)
         doc.update(
+            labels=held.get(r.name, []),
             raw_bytes=c.raw_bytes,
             written_bytes_recorded=c.recorded,
             disk_bytes=c.disk_bytes,

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
+from .._vault.records import LABELS
 from .._vault.store import open_store
 from .._vault.transfer import TransferReport
 from .._vault.usage import vault_usage
@@ -27,7 +28,7 @@ from .common import (
     tolerance,
 )
 from .describe import describe, show
-from .log import DERIVED, RAW, log_doc, notes, summary, times
+from .log import DERIVED, RAW, log_doc, marked, notes, summary, times
 from .plot import plot
 
 EPILOG = """\
@@ -88,13 +89,17 @@ def _vault(args: argparse.Namespace) -> Vault:
 def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
     vault = _vault(args)
     use = vault_usage(vault.store)
+    marks = vault.marks()
     if args.json:
-        print_json(log_doc(use), out)
+        print_json(log_doc(use, marks), out)
         return EXIT_OK
     if not use.records:
         out.write(f"{args.root}: no checkpoints yet\n")
         return EXIT_OK
+    held = marked(marks)
     rows = [["checkpoint", "created", "raw", "new", "on disk", "disk/raw", "metadata"]]
+    if held:  # the column only where a checkpoint is marked
+        rows[0].insert(6, "mark")
     for r, c in zip(use.records, use.checkpoints, strict=True):
         meta = " ".join(f"{k}={_short(v)}" for k, v in r.metadata.items())
         disk = human(c.disk_bytes) + ("" if c.recorded else DERIVED) + ("" if c.compacted else RAW)
@@ -102,10 +107,36 @@ def cmd_log(args: argparse.Namespace, out: TextIO) -> int:
             [r.name, _when(r.created), human(c.raw_bytes), human(c.new_bytes), disk,
              times(c.ratio) if c.ratio is not None else "-", meta]
         )  # fmt: skip
+        if held:
+            rows[-1].insert(6, ",".join(held.get(r.name, [])) or "-")
     table(rows, out)
     for mark, note in notes(use.checkpoints):
         out.write(f"{mark} {note}\n")
     out.write(f"\n{summary(use)}\n")
+    return EXIT_OK
+
+
+def cmd_mark(args: argparse.Namespace, out: TextIO) -> int:
+    vault = _vault(args)
+    was = vault.marks().get(args.label)
+    if args.remove:
+        now = None
+        vault.unmark(args.label)
+    elif args.name is None:
+        now = was  # show it
+    else:
+        vault.mark(args.name, args.label)
+        now = vault.resolve(args.label)
+    if args.json:
+        print_json({"label": args.label, "checkpoint": now, "before": was}, out)
+    elif args.remove:
+        out.write(f"{args.label!r} is on no checkpoint now" + (f" (was {was})\n" if was else "\n"))
+    elif args.name is None:
+        out.write(f"{args.label}: {now}\n" if now else f"no checkpoint is marked {args.label!r}\n")
+    else:
+        out.write(
+            f"marked {now} {args.label!r}" + (f" (was {was})\n" if was and was != now else "\n")
+        )
     return EXIT_OK
 
 
@@ -136,12 +167,25 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
-    vault = _vault(args)
-    bar = Progress(vault.disk_bytes(), "verifying")
-    report = vault.verify(progress=bar)
+    from .._base.errors import ChecksumError
+    from .._vault.verify import verify_vault
+
+    try:
+        vault: Vault | None = _vault(args)
+    except ChecksumError:
+        vault = None  # vault.json is damaged: the report says so, and checks the rest
+    bar = Progress(vault.disk_bytes() if vault is not None else 0, "verifying")
+    if vault is not None:
+        report = vault.verify(progress=bar)
+    else:
+        report = verify_vault(open_store(args.root), progress=bar)
     bar.close()
     summary = f"{report.checkpoints} checkpoints, {report.objects} objects"
-    return report_check(report, args.root, summary, args.json, out)
+    code = report_check(report, args.root, summary, args.json, out)
+    if not args.json:
+        for note in report.notes:
+            out.write(f"  note: {note}\n")
+    return code
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
@@ -273,8 +317,22 @@ def register(sub: Subparsers) -> None:
         "List checkpoints, oldest first, with each one's raw bytes, what its new objects "
         "take on disk (marked ~ until compacted), and the vault's total.",
     )
+    p = verb(
+        "mark",
+        cmd_mark,
+        "Label a checkpoint 'best' (the label moves: the checkpoint that held it loses "
+        "it), so that reads take 'best' for it (show best, export best, "
+        "Vault.load(model, 'best')) and retention by count keeps it; 'rm NAME' still "
+        "deletes it. Without NAME, print the checkpoint that holds the label.",
+    )
+    p.add_argument(
+        "--label", default="best", choices=list(LABELS), help="the label (default: best)"
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("name", nargs="?", help="the checkpoint to mark, or 'latest'")
+    which.add_argument("--remove", action="store_true", help="take the label off instead")
     p = verb("show", cmd_show, "List the tensors of one checkpoint (by default the newest).")
-    p.add_argument("name", nargs="?", default="latest", help="a checkpoint, or 'latest'")
+    p.add_argument("name", nargs="?", default="latest", help="a checkpoint, 'latest' or 'best'")
     p = verb("diff", cmd_diff, "Compare two checkpoints name by name; exit 1 if they differ.")
     p.add_argument("a", help="the first checkpoint")
     p.add_argument("b", help="the second checkpoint ('latest' for the newest)")

@@ -65,6 +65,8 @@ def assign_all(
     with torch.no_grad():
         pending = []
         for a in plan.assignments:
+            if ckpt.unchanged(a.stored):
+                continue  # a walk's previous checkpoint put these very bytes there
             if not mmap and a.transform is None and ckpt.stored[a.stored].nbytes >= _THREADED:
                 # Plain reads release the GIL; several run at once, like copy_ would.
                 pending.append(_readers().submit(_assign_quietly, ckpt, a, tensors))

@@ -49,7 +49,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -68,6 +67,7 @@ from .codec import CODECS, DEFAULT, Codec
 from .commit import begin, commit_record, each, release, workers
 from .delta import Parts, encode_full, size_of, stored_depth
 from .frame import HEADER_SIZE, Frame, is_frame, parse_frame_header
+from .intents import encode_intent
 from .marker import holds_vault, require_vault
 from .objects import content_hash, is_temp, object_file, object_frame, object_key, read_object
 from .pack import pack_table
@@ -168,8 +168,9 @@ def _open(store: Store, name: str) -> _Checkpoint:
 
 def _same(a: _Checkpoint, b: _Checkpoint) -> bool:
     """Whether ``a`` and ``b`` are one checkpoint: the same record, or one of them made
-    weights-only by a retention (same creation, its objects a subset of the other's)."""
-    if a.doc == b.doc:
+    weights-only by a retention (same creation, its objects a subset of the other's).
+    Labels do not count: a mark moves without changing the checkpoint."""
+    if _unlabelled(a.doc) == _unlabelled(b.doc):
         return True
     if a.created != b.created:
         return False
@@ -177,6 +178,10 @@ def _same(a: _Checkpoint, b: _Checkpoint) -> bool:
     if small.doc.get("weights_only") is not True:
         return False
     return small.objects.items() <= big.objects.items()
+
+
+def _unlabelled(doc: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in doc.items() if k != "labels"}
 
 
 def _listed(store: Store) -> dict[str, int]:
@@ -215,8 +220,7 @@ class _Plan:
 
     def refresh(self) -> None:
         """Rewrite the intent with everything named so far (and a fresh time)."""
-        doc = {"created": time.time(), "objects": self.named()}
-        self.dest.put(self.intent, json.dumps(doc).encode())
+        self.dest.put(self.intent, encode_intent(self.named(), time.time()))
 
     def file_size(self, digest: str) -> int:
         size = self.src_files.get(digest)

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._base.background import SaveHandle, SnapshotPool
 from .._base.errors import FormatError
 from .._base.pools import LazyPool
 from .._base.progress import Progress as Bar
+from .._file.checkpoint import Checkpoint
 from .._file.layout import is_training
 from .._file.sharing import Source
 from .._file.writer import check_names
@@ -43,13 +45,20 @@ from .dcp_record import DcpCheckpoint
 from .delta import DELTA_CHAIN, Storage
 from .gc import break_gc_lock, collect
 from .marker import create_vault, holds_vault, require_vault
+from .marks import (
+    carry_marks,
+    mark as put_mark,
+    marks as find_marks,
+    protected,
+    resolve_label,
+    unmark as take_mark,
+)
 from .records import (
     CheckpointRecord,
     check_free,
     delete_record,
     list_records,
     read_doc,
-    resolve,
 )
 from .retain import Split, drop_training_except_last
 from .save import Checksums, Progress, save_sources
@@ -57,6 +66,7 @@ from .store import open_store
 from .todo import mark
 from .transfer import TransferReport, transfer
 from .verify import VaultVerifyReport, verify_vault
+from .walk import walk, walk_order
 
 __all__ = ["GC_PACE", "Vault", "VaultLike", "as_vault"]
 
@@ -376,19 +386,62 @@ class Vault:
         return list_records(self.store)
 
     def resolve(self, name: str = "latest") -> str:
-        """The name ``name`` stands for: itself, or the newest checkpoint's for ``"latest"``.
+        """The name ``name`` stands for: itself, the newest checkpoint's for ``"latest"``,
+        or for ``"best"`` the checkpoint :meth:`mark` labelled so.
 
         Raises:
             VaultNotFoundError: The path holds no vault.
             CheckpointNameError: ``name`` is not a valid name.
-            CheckpointNotFoundError: ``"latest"`` in a vault with no checkpoints.
+            CheckpointNotFoundError: ``"latest"`` in a vault with no checkpoints, or
+                ``"best"`` where none is marked.
 
         Example:
             >>> vault.resolve("latest")
             '000003'
         """
         self._require()
-        return resolve(self.store, name)
+        return resolve_label(self.store, name)
+
+    # -- marks -------------------------------------------------------------------------
+
+    def mark(self, name: str, label: str = "best") -> None:
+        """Label checkpoint ``name`` (``"latest"`` allowed) ``label``, and take the label
+        off the checkpoint that held it: a label names at most one checkpoint.
+
+        Reads then take the label for the checkpoint (``load(model, "best")``, ``open``,
+        ``export``, ``walk``, the CLI), retention by count keeps it, and a push carries
+        it. The new record is written first and the old one after, so a crash between
+        the two leaves both carrying it and the newer mark naming the checkpoint.
+
+        Raises:
+            ValueError: ``label`` is not a label (today there is one: ``"best"``).
+            CheckpointNotFoundError: No checkpoint has that name.
+
+        Example:
+            >>> vault.mark("000004")
+            >>> vault.load(model, "best").missing
+            []
+        """
+        self._require()
+        self._settle()  # the background save's retention rewrites records too
+        put_mark(self.store, name, label)
+
+    def unmark(self, label: str = "best") -> str | None:
+        """Take ``label`` off; returns the checkpoint it named, or ``None``."""
+        self._require()
+        self._settle()
+        return take_mark(self.store, label)
+
+    def marks(self) -> dict[str, str]:
+        """``{label: checkpoint}`` of every label a checkpoint carries, from the first 512
+        bytes of each record (and the marked ones whole).
+
+        Example:
+            >>> vault.marks()
+            {'best': '000004'}
+        """
+        self._require()
+        return find_marks(self.store)
 
     def open(self, name: str = "latest") -> VaultCheckpoint | DcpCheckpoint:
         """Open a checkpoint for reading, as a :class:`Checkpoint` any adapter can load."""
@@ -414,6 +467,55 @@ class Vault:
         self._settle()  # "latest" includes a background save still being written
         with self._compactor.busy(), self.open(name) as ckpt:
             return adapter.load(model, ckpt, verify=verify, **options)
+
+    def walk(
+        self,
+        model: Any,
+        names: Sequence[str] | None = None,
+        *,
+        verify: bool = True,
+        **options: Any,
+    ) -> Iterator[tuple[str, Any]]:
+        """Load each checkpoint into ``model`` in turn; yield ``(name, report)`` after each.
+
+        Every checkpoint loads as :meth:`load` loads it (the same options, checks and
+        report), except that a tensor whose object the previous checkpoint of the walk
+        stored under the same name is neither read nor copied again: the model holds it
+        already. Walking a frozen-backbone run therefore costs the trained tensors per
+        checkpoint. Change nothing in the model between steps (evaluate under
+        ``torch.no_grad()``), or the next step leaves your change in the tensors it skips.
+
+        Args:
+            model: The model to fill, as for :meth:`load`.
+            names: Checkpoints in the order to load them (``"latest"`` and ``"best"``
+                allowed); by default every checkpoint, oldest first. All are resolved
+                before the first load.
+            verify: Check every object read against its checksum before copying.
+            **options: Any option of the adapter's ``load`` (``rules``, ``strict``, ...).
+
+        Raises:
+            Exception: What a checkpoint's load raised (``ChecksumError`` for a damaged
+                object), with a note naming it: the model still holds the checkpoint
+                before it, and the walk ends.
+
+        Example:
+            >>> for name, report in vault.walk(model):
+            ...     print(name, evaluate(model))
+        """
+        adapter = adapter_for(model)
+        self._settle()
+        self._require()
+        return walk(
+            walk_order(self.store, names),
+            self._reading,
+            lambda ckpt: adapter.load(model, ckpt, verify=verify, **options),
+        )
+
+    @contextlib.contextmanager
+    def _reading(self, name: str) -> Iterator[Checkpoint]:
+        """Checkpoint ``name``, open, with the compactor yielding meanwhile (as in load)."""
+        with self._compactor.busy(), self.open(name) as ckpt:
+            yield ckpt
 
     def verify(self, *, progress: Progress | None = None) -> VaultVerifyReport:
         """Check every checkpoint's record and every object's size and hash.
@@ -568,8 +670,9 @@ class Vault:
         *,
         training_state_last: int | None = None,
     ) -> builtins.list[str]:
-        """Delete checkpoints except the last ``keep_last`` and every ``keep_every``-th,
-        and drop the training state of all but the last ``training_state_last``.
+        """Delete checkpoints except the last ``keep_last``, every ``keep_every``-th and
+        the one a label marks (:meth:`mark`), and drop the training state of all but the
+        last ``training_state_last`` (a marked one's too: its weights and label stay).
 
         A checkpoint whose training state is dropped keeps its weights (it loads as
         before); resuming from it raises :class:`~weightvault.TrainingStateError`. What
@@ -596,6 +699,7 @@ class Vault:
                 keep |= {r.name for r in records[-keep_last:]}
             if keep_every:
                 keep |= {r.name for i, r in enumerate(records) if (i + 1) % keep_every == 0}
+            keep |= protected(self.store)  # a marked checkpoint goes only by name
             deleted = [r.name for r in records if r.name not in keep and r.name not in spared]
             self._delete_all(deleted, records)  # not listed a second time
         if training_state_last is not None:
@@ -722,17 +826,23 @@ def _moved(
     progress: Progress | bool | None,
     label: str,
 ) -> TransferReport:
-    """One transfer from ``sender`` to ``receiver``, with a bar for ``progress=True``."""
+    """One transfer from ``sender`` to ``receiver``, with a bar for ``progress=True``;
+    the labels of what it sent then name the same checkpoints there."""
     bar = Bar(0, f"{label} to {receiver.url}") if progress is True else progress or None
     codec = receiver.storage.codec or sender.storage.codec
+    if names is not None:
+        sender._require()
+        names = [sender.resolve(n) for n in names]  # "best" is the sender's
     try:
-        return transfer(
+        report = transfer(
             sender.store, receiver.store, names, progress=bar, gc_wait=receiver.gc_wait,
             codec=codec,
         )  # fmt: skip
     finally:
         if isinstance(bar, Bar):
             bar.close()
+    carry_marks(sender.store, receiver.store, report.checkpoints)
+    return report
 
 
 def _reopen(url: str, gc_wait: float, options: dict[str, Any]) -> Vault:
