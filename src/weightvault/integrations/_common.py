@@ -1,17 +1,30 @@
-"""What the training-loop integrations share: their import guard and checkpoint replacement.
+"""What the training-loop integrations share: their import guard, checkpoint replacement,
+retention, and how a best checkpoint is named and kept.
+
+A loop names its best checkpoint by folder (the Trainer's
+``TrainerState.best_model_checkpoint``). A vault checkpoint has no folder, so it is named
+by a URL no path on disk spells, ``vault://<the vault's URL>#<checkpoint name>``
+(:func:`best_url`); the vault marks it ``"best"`` (``Vault.mark``), and retention never
+deletes a marked checkpoint.
 
 Example:
     >>> str(not_installed("lightning", "Lightning and PyTorch")).split(": ")[1]
     "pip install 'weightvault[lightning]'"
+    >>> url = best_url("/runs/vault", "checkpoint-2")
+    >>> url, best_name(url), best_name("/runs/out/checkpoint-2")
+    ('vault:///runs/vault#checkpoint-2', 'checkpoint-2', None)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
+from collections.abc import Sequence
 
 from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
 from .._vault.mirror import Mirror
+from .._vault.records import creation_order
 from .._vault.vault import GC_PACE, Vault, VaultLike
 
 _log = logging.getLogger("weightvault")
@@ -36,6 +49,22 @@ def settle(vault: Vault) -> None:
         _log.warning("%s: compaction at the end of training failed (%s); a later "
                      "`weightvault vault %s compact` finishes it", vault.store.url, error,
                      vault.store.url)  # fmt: skip
+
+
+def import_codecs() -> None:
+    """Import python-blosc2 now, in this thread, leaving Python's ``random`` as it was.
+
+    Its first import draws from ``random``. Left to the vault's compactor, it happens in
+    the compactor's thread after a save, and the numbers training draws from then on
+    (a data augmentation's) differ from a run without the vault. A loop calls this
+    before training begins.
+    """
+    state = random.getstate()
+    try:
+        with contextlib.suppress(ImportError):  # the vault says so when it needs it
+            import blosc2  # noqa: F401
+    finally:
+        random.setstate(state)
 
 
 def not_installed(extra: str, needs: str) -> BackendNotInstalled:
@@ -83,3 +112,75 @@ def mirror_for(vault: Vault, mirror: VaultLike | None) -> Mirror | None:
     training ends (``wait``); a mirror that fails only logs warnings.
     """
     return None if mirror is None else Mirror(vault, mirror)
+
+
+#: The vault mark of the best checkpoint.
+BEST = "best"
+#: How a best checkpoint's URL begins.
+SCHEME = "vault://"
+
+
+def best_url(vault_url: str, name: str) -> str:
+    """What ``best_model_checkpoint`` holds for checkpoint ``name`` of the vault at
+    ``vault_url``: ``vault://<vault_url>#<name>``."""
+    return f"{SCHEME}{vault_url}#{name}"
+
+
+def best_name(value: object) -> str | None:
+    """The checkpoint name in a :func:`best_url`; ``None`` for anything else (``None``, or
+    a folder path a Trainer wrote without a vault)."""
+    if not isinstance(value, str) or not value.startswith(SCHEME) or "#" not in value:
+        return None
+    return value.rpartition("#")[2] or None
+
+
+def checkpoint_name(name: str) -> str:
+    """``name`` as a vault resolves it: a :func:`best_url`'s checkpoint name, else itself.
+
+    The URL's vault part is not checked against the vault it is read from: a copy or a
+    mirror of the run's vault holds the same names.
+
+    Example:
+        >>> checkpoint_name("vault://s3://bucket/run#checkpoint-8"), checkpoint_name("latest")
+        ('checkpoint-8', 'latest')
+    """
+    return best_name(name) or name
+
+
+def keep_last(names: Sequence[str], limit: int | None, best: str | None) -> int | None:
+    """``Vault.retain(keep_last=...)`` that leaves what the Trainer's rotation leaves.
+
+    The Trainer keeps its newest checkpoint and its best, and deletes the oldest of the
+    others until ``save_total_limit`` are left (two when the limit is 1 and the best is
+    not the newest). Retention keeps the marked best on its own, so it keeps one fewer
+    of the newest when the best is older than those ``limit``.
+
+    Args:
+        names: The vault's checkpoints, oldest first.
+        limit: ``save_total_limit``; ``None`` or less than 1 deletes nothing.
+        best: The best checkpoint's name, marked ``"best"``; ``None`` if none.
+
+    Returns:
+        ``keep_last`` for :meth:`Vault.retain`, or ``None`` to delete nothing.
+
+    Example:
+        >>> names = ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+        >>> keep_last(names, 2, "checkpoint-4"), keep_last(names, 1, "checkpoint-2")
+        (2, 1)
+    """
+    if limit is None or limit < 1:
+        return None
+    if best is None or best not in names or best in names[-limit:]:
+        return limit
+    return max(1, limit - 1)
+
+
+def retained(vault: Vault, limit: int | None, best: str | None, *, final: bool) -> int | None:
+    """:func:`keep_last` for ``vault`` after a save, or at the end of training (``final``),
+    where the Trainer with ``save_total_limit=1`` keeps its best alone."""
+    if final and limit == 1 and best is not None:
+        return 0
+    if not limit or best is None:
+        return limit or None
+    # Ordered from the records' first bytes, as "latest" is, not each read whole.
+    return keep_last([name for _, name in creation_order(vault.store)], limit, best)

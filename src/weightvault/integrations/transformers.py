@@ -4,11 +4,14 @@ One line changes in a training script::
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[VaultCallback(vault)])
 
-At every save step the Trainer decides (``save_steps``, ``save_strategy``), the callback
-stores the model, the optimizer (by parameter name), the LR scheduler, the RNG states and
-the ``TrainerState`` (as JSON) as checkpoint ``checkpoint-{global_step}``, and tells the
-Trainer not to write its own folder. Unchanged tensors (a frozen base, a PEFT model's base
-weights) are stored once across all checkpoints.
+At every save the Trainer decides (``save_steps``, ``save_strategy``, ``"best"``
+included), the callback stores the model, the optimizer (by parameter name), the LR
+scheduler, the RNG states and the ``TrainerState`` (as JSON) as checkpoint
+``checkpoint-{global_step}``, and keeps the Trainer from writing its own folder.
+Unchanged tensors (a frozen base, a PEFT model's base weights) are stored once across all
+checkpoints. With ``metric_for_best_model`` (or ``load_best_model_at_end``) the best
+checkpoint is named ``vault://<vault>#checkpoint-N`` in ``state.best_model_checkpoint``,
+marked ``"best"`` in the vault and kept by ``save_total_limit``, and loaded at the end.
 
 To resume, :func:`checkout` writes a folder in the Trainer's own layout, which
 ``trainer.train(resume_from_checkpoint=folder)`` reads; :func:`resume` does both in one call.
@@ -28,11 +31,22 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import discard, mirror_for, not_installed, settle, trim
+from ._common import (
+    BEST,
+    best_name,
+    checkpoint_name,
+    discard,
+    import_codecs,
+    mirror_for,
+    not_installed,
+    retained,
+    settle,
+    trim,
+)
 
 try:
     import torch
-    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers import TrainerCallback, TrainerState, TrainingArguments
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise not_installed("transformers", "transformers and PyTorch") from e
 
@@ -44,26 +58,32 @@ from .._training import codec as _codec
 from .._vault.dcp_record import DcpCheckpoint
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
+from ._best import FIX, STATE_KEY, Due, SavePoints, check_best, rng_as, trainer_callbacks
 from ._rank_rng import RANKS_KEY, decode_ranks, encode_ranks, rank_rng
-from ._ranks import agree, gather, rank, sharded_parameter, world_size
+from ._ranks import agree, rank, sharded_parameter
 from ._sharded_trainer import resume_sharded, save_sharded, unwrap
 
 __all__ = ["VaultCallback", "checkout", "resume"]
 
-#: The metadata key that holds the ``TrainerState`` as JSON.
-STATE_KEY = "trainer_state"
 
-_FIX = "fix that rank's error and resume the run from the vault's 'latest' checkpoint"
-
-
-class VaultCallback(TrainerCallback):  # type: ignore[misc]
+class VaultCallback(SavePoints, TrainerCallback):  # type: ignore[misc]
     """A ``TrainerCallback`` that saves the Trainer's checkpoints into a vault.
 
-    Saves happen at the steps the Trainer chooses. A checkpoint of the same name (from a
-    run this one resumed, stepping past its point again) is replaced. ``save_total_limit``
-    keeps that many of the newest checkpoints (through :meth:`Vault.retain`; it counts
-    every checkpoint in the vault, so give each run its own vault). Training itself is
-    untouched: the final parameters are bitwise equal to a run without the callback.
+    Saves happen at the steps the Trainer chooses, ``save_strategy="best"`` included, with
+    the ``TrainerState``, the stateful callbacks' states (``EarlyStoppingCallback``) and
+    the RNG states the Trainer's own save would store. A checkpoint of the same name (from
+    a run this one resumed, stepping past its point again) is replaced.
+    ``save_total_limit`` keeps that many of the newest checkpoints and the best (through
+    :meth:`Vault.retain`; it counts every checkpoint in the vault, so give each run its
+    own vault). Training itself is untouched: the final parameters are bitwise equal to a
+    run without the callback.
+
+    When the Trainer tracks a best checkpoint (``metric_for_best_model``, set by
+    ``load_best_model_at_end``), its ``state.best_model_checkpoint`` names it
+    ``vault://<vault URL>#checkpoint-N`` (which :func:`checkout` and :func:`resume`
+    take), the vault marks it ``"best"`` (``vault.load(model, "best")``), and with
+    ``load_best_model_at_end`` the end of training loads it into the model from the vault,
+    where the Trainer would load its folder.
 
     On several processes (DDP under ``torchrun``) every rank skips the Trainer's own save,
     the main process writes, and the ranks then agree: a save that failed raises
@@ -118,48 +138,9 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         self._pending: Any = None
         self._inflight: str | None = None  # a background save's name, on every rank
         self._sharded = False  # the model is DTensors: every rank saves its shards
+        self._callbacks = []
 
-    def on_step_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: Any,
-    ) -> TrainerControl:
-        # The Trainer saves right after this event when control.should_save is set; saving
-        # here and clearing the flag stores the same state and skips its folder. The RNG
-        # states are those the Trainer would store: nothing draws between the two points.
-        if not control.should_save:
-            return control
-        # What the Trainer's own save records about the control flow, as it does.
-        callbacks: Any = state.stateful_callbacks  # a dict once training runs
-        callbacks["TrainerControl"] = control.state()
-        # Every rank skips the Trainer's save, not just the writer: a rank going on into
-        # it enters collectives (its FLOP count's) the others never reach, and hangs.
-        control.should_save = False
-        self._settle(args)
-        name = f"checkpoint-{state.global_step}"
-        ranks = gather(rank_rng()) if world_size() > 1 else None  # collective: all ranks
-        if self._sharded:
-            self._write_sharded(args, state, name, ranks, kwargs)
-            return control
-        error = None
-        if args.should_save:  # the Trainer's own rule: the main process writes
-            try:
-                self._write(args, state, name, ranks, kwargs)
-            except Exception as e:  # every rank must hear of it, or they wait forever
-                error = e
-        agree(error, f"the vault save of {name} into {self.vault.url}", _FIX)
-        self._inflight = name if self.background else None
-        return control
-
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: Any,
-    ) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         # Every rank holds the same kind of model, so every rank decides alike, at once.
         model = kwargs["model"]
         sharded = sharded_parameter(model)
@@ -178,14 +159,26 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
                 f"{sharded!r} is a shard, saved by every rank through weightvault.dcp; use "
                 "background=False"
             )
+        check_best(args)
+        if self._sharded and getattr(args, "load_best_model_at_end", False):
+            raise UnsupportedValueError(
+                f"VaultCallback cannot load the best checkpoint of a sharded model (parameter "
+                f"{sharded!r} is a shard) at the end of training: set "
+                "load_best_model_at_end=False and load it with resume_sharded's weightvault.dcp"
+            )
+        self._callbacks = trainer_callbacks()
+        import_codecs()
+        self._due, self._training, self._best, self._hidden = None, True, None, None
+        if state.global_step and getattr(args, "metric_for_best_model", None) is not None:
+            self._resumed(state)
+        return self._release(control)[0]
 
-    def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: Any,
-    ) -> None:
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        hidden, self._hidden = self._hidden, None
+        if hidden is not None and state.best_model_checkpoint is None:
+            state.best_model_checkpoint = hidden
+        control = self._flush(args, state, control, kwargs)  # an epoch's save, at the last
+        self._training = False
         self._settle(args)
         # The last push first (a failure was logged, never raised): the retention the
         # mirror held back for it runs then, and the retention below has nothing left
@@ -194,8 +187,35 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         # oldest whole (a mirror that lagged behind the run, as on a busy machine).
         if self.mirror is not None:
             self.mirror.wait()
-        self._retain_agreed(args, "at the end of training")
+        self._retain_agreed(args, "at the end of training", final=True)
+        best = best_name(state.best_model_checkpoint)
+        if getattr(args, "load_best_model_at_end", False) and best is not None:
+            error = None  # where the Trainer loads its best folder: every rank
+            try:
+                self.vault.load(kwargs["model"], best)
+            except Exception as e:
+                error = e
+            agree(error, f"the load of the best checkpoint {best} from {self.vault.url}", FIX)
         settle(self.vault)
+        return control
+
+    def _take(self, args: Any, state: Any, control: Any, due: Due, kwargs: dict[str, Any]) -> None:
+        """Store checkpoint ``checkpoint-{global_step}`` as the Trainer's save would."""
+        self._settle(args)
+        name = f"checkpoint-{state.global_step}"
+        self._at_save(args, state, control, name)
+        error = None
+        with rng_as(due.rng):
+            if self._sharded:
+                self._write_sharded(args, state, name, due.ranks, kwargs)
+                return
+            if args.should_save:  # the Trainer's own rule: the main process writes
+                try:
+                    self._write(args, state, name, due.ranks, kwargs)
+                except Exception as e:  # every rank must hear of it, or they wait forever
+                    error = e
+        agree(error, f"the vault save of {name} into {self.vault.url}", FIX)
+        self._inflight = name if self.background else None
 
     def _write(
         self,
@@ -237,22 +257,22 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
         metadata = _metadata(state, ranks or [rank_rng()])
         save_sharded(
             self.vault, name, kwargs["model"], unwrap(kwargs.get("optimizer"), "optimizer"),
-            unwrap(kwargs.get("lr_scheduler"), "scheduler"), metadata, _FIX,
+            unwrap(kwargs.get("lr_scheduler"), "scheduler"), metadata, FIX,
         )  # fmt: skip
         if rank() == 0:
             self._mirrored(name)
         self._retain_agreed(args, f"after {name}")
 
-    def _retain_agreed(self, args: TrainingArguments, when: str) -> None:
+    def _retain_agreed(self, args: TrainingArguments, when: str, *, final: bool = False) -> None:
         """:meth:`_retain` on rank 0, then every rank agrees (collective): a failed
         retention raises on every rank."""
         error = None
         if rank() == 0:
             try:
-                self._retain(args)
+                self._retain(args, final=final)
             except Exception as e:
                 error = e
-        agree(error, f"the retention {when} in {self.vault.url}", _FIX)
+        agree(error, f"the retention {when} in {self.vault.url}", FIX)
 
     def _settle(self, args: TrainingArguments) -> None:
         """Wait for the background save; collective, as the save's own :func:`agree` is."""
@@ -268,19 +288,22 @@ class VaultCallback(TrainerCallback):  # type: ignore[misc]
                 self._retain(args)
         except Exception as e:
             error = e
-        agree(error, f"the background vault save of {name} into {self.vault.url}", _FIX)
+        agree(error, f"the background vault save of {name} into {self.vault.url}", FIX)
 
     def _mirrored(self, name: str) -> None:
         """Queue committed checkpoint ``name`` for the mirror's thread (returns at once)."""
         if self.mirror is not None:
             self.mirror.after_save(name)
 
-    def _retain(self, args: TrainingArguments) -> None:
-        trim(
-            self.vault,
-            keep_last=args.save_total_limit or None,
-            training_state_last=self.training_state_last,
-        )
+    def _retain(self, args: TrainingArguments, *, final: bool = False) -> None:
+        """The Trainer's rotation (the best and the newest kept) and training_state_last."""
+        best = self._best
+        if best is not None and best != self._marked:  # committed now: marked, then spared
+            self.vault.mark(best, BEST)
+            self._marked = best
+        limit = args.save_total_limit or None
+        keep = retained(self.vault, limit, best, final=final)
+        trim(self.vault, keep_last=keep, training_state_last=self.training_state_last)
 
 
 def _metadata(state: TrainerState, ranks: list[dict[str, Any]] | None) -> dict[str, str]:
@@ -301,11 +324,15 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
     ``trainer_state.json``, and ``optimizer.pt``, ``scheduler.pt`` and ``rng_state.pth``:
     the Trainer reads those three with ``torch.load``, so they are written with
     ``torch.save`` of plain state dicts (tensors, numbers, lists), the Trainer's own
-    format. weightvault never reads them back.
+    format. weightvault never reads them back. ``trainer_state.json`` keeps
+    ``best_metric`` and ``best_global_step`` but not a ``vault://`` best: it names no
+    folder, and the Trainer would drop it with a warning; a resumed :class:`VaultCallback`
+    names it again from the vault.
 
     Args:
         vault: The vault the :class:`VaultCallback` saved into, or its path or URL.
-        name: A checkpoint name (``checkpoint-4``) or ``"latest"``.
+        name: A checkpoint name (``checkpoint-4``), ``"latest"``, ``"best"`` (the marked
+            best) or ``state.best_model_checkpoint`` (``vault://...#checkpoint-2``).
         folder: Where to write; created if needed. Files of the same names are replaced.
 
     Returns:
@@ -324,7 +351,7 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
         >>> trainer.train(resume_from_checkpoint=str(folder))
     """
     out = Path(folder)
-    with as_vault(vault).open(name) as ckpt:
+    with as_vault(vault).open(checkpoint_name(name)) as ckpt:
         where = ckpt.path
         if isinstance(ckpt, DcpCheckpoint):
             raise TrainingStateError(
@@ -360,7 +387,12 @@ def checkout(vault: VaultLike, name: str, folder: str | os.PathLike[str]) -> Pat
     torch.save(rng, out / "rng_state.pth")
     for r, states in per_rank.items():  # a distributed Trainer reads its rank's file
         torch.save(states, out / f"rng_state_{r}.pth")
-    (out / "trainer_state.json").write_text(json.dumps(json.loads(state), indent=2) + "\n")
+    doc = json.loads(state)
+    if best_name(doc.get("best_model_checkpoint")) is not None:
+        # It names no folder: the Trainer would drop it as it resumes, with a warning.
+        # VaultCallback names it again from the vault (best_metric and the step are kept).
+        doc["best_model_checkpoint"] = None
+    (out / "trainer_state.json").write_text(json.dumps(doc, indent=2) + "\n")
     return out
 
 
@@ -374,6 +406,8 @@ def resume(trainer: Any, vault: VaultLike, name: str = "latest", **train_kwargs:
     model (FSDP2) gets its shards, optimizer and scheduler state through
     :func:`weightvault.dcp.load` when training begins, the rest from the folder.
 
+    ``name`` is any name :func:`checkout` takes (``"best"``, a ``vault://`` URL).
+
     Returns:
         What ``trainer.train`` returns.
 
@@ -384,7 +418,7 @@ def resume(trainer: Any, vault: VaultLike, name: str = "latest", **train_kwargs:
         >>> resume(trainer, "runs/vault", "checkpoint-2")
     """
     if sharded_parameter(trainer.model) is not None:
-        return resume_sharded(trainer, as_vault(vault), name, **train_kwargs)
+        return resume_sharded(trainer, as_vault(vault), checkpoint_name(name), **train_kwargs)
     with tempfile.TemporaryDirectory(prefix="weightvault-resume-") as tmp:
         error = None
         try:
