@@ -203,7 +203,7 @@ def test_every_command_on_a_file_with_optimizer_scheduler_and_rng(trained, tmp_p
     a, b = trained
     docs = run_every_command(capsys, a, b, tmp_path)
     code, out, _ = cli(capsys, "inspect", str(a))
-    assert code == 0 and out.startswith(f"{a}: weightvault v1, 4 names, 3 stored\n")
+    assert code == 0 and out.startswith(f"{a}: weightvault v2, 4 names, 3 stored\n")
     assert "__weightvault__" not in out  # training state is no model name
     assert "saved by deduplication 256 B" in out
     assert "training state: " in out

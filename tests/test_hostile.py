@@ -234,8 +234,8 @@ CASES: dict[str, tuple[bytes, str]] = {
         r"manifest version 'None' is not supported",
     ),
     "manifest_future_version": (
-        blob(with_manifest({"version": 2}, TWO), TWO_DATA),
-        r"manifest version '2' is not supported.*upgrade weightvault",
+        blob(with_manifest({"version": 3}, TWO), TWO_DATA),
+        r"manifest version '3' is not supported.*upgrade weightvault",
     ),
     "manifest_version_string": (
         blob(with_manifest({"version": "1"}, TWO), TWO_DATA),

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import weightvault
-from _hostile_files import _write, needs_torch, torch, wvt
+from _hostile_files import _write, needs_torch, reseal, torch, wvt
 from weightvault.formats._registry import open_checkpoint
 
 # ---------------------------------------------------------------------------------------
@@ -163,7 +163,8 @@ def damaged(draw: st.DrawFn) -> bytes:
             data.insert(at, draw(st.integers(0, 255)))
     if draw(st.booleans()):
         data = data[: draw(st.integers(0, len(data)))]
-    return bytes(data)
+    # Resealed, so the damage reaches the parser's checks past the header's sum.
+    return reseal(bytes(data))
 
 
 @needs_torch

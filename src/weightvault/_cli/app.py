@@ -82,6 +82,8 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     report = verify(args.file, progress=bar)
     bar.close()
     note = "" if report.has_checksums else " (no checksums recorded: structure only)"
+    if report.has_checksums and not report.has_header_sum:
+        note = " (no header sum: written before header checksums, the header is unchecked)"
     return report_check(
         report, report.path, f"{report.checked} tensors checked{note}", args.json, out
     )

@@ -1,7 +1,7 @@
 """Checkpoints open for reading: validated names, a manifest, and bytes on demand.
 
 :class:`Checkpoint` is what the load policy and every adapter read from. Its bytes may
-come from a safetensors file (:class:`SafetensorsFile`, mmap-backed), from arrays decoded
+come from a safetensors file (:class:`SafetensorsFile`, read with ``preadv``), from arrays decoded
 out of a foreign format (:class:`MemoryCheckpoint`) or from a vault; the policy cannot
 tell the difference, so renames, strictness, ties and frozen flags behave the same for all.
 """
@@ -133,9 +133,20 @@ class Checkpoint:
         """The bytes of a stored tensor."""
         raise NotImplementedError
 
+    def mapped(self, stored: str) -> memoryview:
+        """The bytes of a stored tensor for tensors built on them without a copy
+        (``mmap=True``): a file's mapping where there is one, else :meth:`raw`."""
+        return self.raw(stored)
+
     def check(self, stored: str) -> bool:
         """Whether ``stored``'s bytes match their checksum (``True`` if none was recorded)."""
         return True
+
+    def unchanged(self, stored: str) -> bool:
+        """Whether the model being filled holds ``stored``'s bytes already, so that an
+        adapter's load may skip assigning it: never, but in ``Vault.walk``, for what the
+        previous checkpoint it loaded into the same model stored unchanged."""
+        return False
 
     def read_into(self, stored: str, buffer: memoryview) -> bool:
         """Copy ``stored``'s bytes into ``buffer`` with file reads; ``False`` if unsupported."""
@@ -218,10 +229,12 @@ class Checkpoint:
 
 
 class SafetensorsFile(Checkpoint):
-    """A validated, memory-mapped safetensors file (ours or anyone's).
+    """A validated safetensors file (ours or anyone's).
 
-    Nothing is read beyond the header until bytes are asked for, and bytes come straight
-    from the page cache through ``mmap``.
+    Nothing is read beyond the header until bytes are asked for. Bytes are read with
+    ``preadv``, so a file cut short meanwhile is a :class:`FormatError` naming the file
+    and the tensor; only :meth:`mapped` (``mmap=True``) hands out the file's mapping,
+    whose pages then die with ``SIGBUS`` if the file is truncated while they live.
 
     Example:
         >>> with SafetensorsFile("model.safetensors") as ckpt:
@@ -233,7 +246,9 @@ class SafetensorsFile(Checkpoint):
         where = os.fspath(path)
         with open(where, "rb") as f:
             self.header: Header = read_header(f, where)
-            manifest = read_manifest(self.header.metadata, self.header.tensors, where)
+            manifest = read_manifest(
+                self.header.metadata, self.header.tensors, where, sealed=self.header.sealed
+            )
             # MAP_PRIVATE: tensors built on this map may be written without touching the file.
             self._map = (
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -260,11 +275,36 @@ class SafetensorsFile(Checkpoint):
         return "safetensors"
 
     def raw(self, stored: str) -> memoryview:
+        # A buffer of its own, read with preadv (see the class): never the mapping.
+        info = self.stored[stored]
+        if info.nbytes == 0:
+            return memoryview(b"")
+        buffer = new_buffer(info.nbytes)
+        self.read_into(stored, buffer)
+        return buffer
+
+    def mapped(self, stored: str) -> memoryview:
         info = self.stored[stored]
         if self._map is None or info.nbytes == 0:
             return memoryview(b"")
         start = self.header.data_start + info.start
         return memoryview(self._map)[start : start + info.nbytes]
+
+    def stage(self, stored: list[str], verify: bool) -> None:
+        # Every byte reachable: the file still holds what its header describes (raw()
+        # would read every tensor whole).
+        if verify:
+            self.verify(stored)
+        if self._fd < 0:
+            raise FormatError(f"{self.path}: the file is closed")
+        size = os.fstat(self._fd).st_size
+        short = [n for n in stored if self.header.data_start + self.stored[n].end > size]
+        if short:
+            raise FormatError(
+                f"{self.path}: tensor {short[0]!r}: the file was cut to {size} bytes "
+                f"after it was opened ({self.header.file_size} expected; "
+                f"{capped(short)} lie past its end); save or copy it again"
+            )
 
     def read_into(self, stored: str, buffer: memoryview) -> bool:
         info = self.stored[stored]
@@ -373,6 +413,34 @@ def materialize_limit(file_size: int) -> int:
     if os.environ.get(ENV_VAR, "").strip():
         return resolve_limit(file_size)[0]
     return max(MATERIALIZE_FLOOR, MATERIALIZE_RATIO * file_size)
+
+
+def new_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of new memory of this process' own for a read to fill.
+
+    Never zeroed first (a pass of its own over half a gigabyte). From
+    :data:`HUGE_BUFFER` bytes on, an anonymous mapping advised to transparent huge pages:
+    a ``preadv`` into fresh 4 KiB pages faults each one in, which made reading a 200 MiB
+    object into memory 2.7x slower than into huge pages (docs/benchmarks.md, section 31).
+    Anonymous, so no truncation of any file can take its pages away; unmapped when the
+    last view of it goes.
+    """
+    if nbytes >= HUGE_BUFFER:
+        length = -(-nbytes // HUGE_BUFFER) * HUGE_BUFFER
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        area = mmap.mmap(-1, length, flags=private) if private else mmap.mmap(-1, length)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            with contextlib.suppress(OSError):  # no transparent huge pages: 4 KiB ones
+                area.madvise(advice)
+        return memoryview(area)[:nbytes]
+    import numpy as np  # not at import: `import weightvault` stays numpy-free
+
+    return memoryview(np.empty(nbytes, np.uint8)).cast("B")  # type: ignore[arg-type]
+
+
+#: Buffers at least this large are whole huge pages (see :func:`new_buffer`).
+HUGE_BUFFER = 2 << 20
 
 
 def read_fully(fd: int, buffer: memoryview, offset: int, where: str, name: str) -> None:

@@ -3,6 +3,17 @@
 Reading treats every file as hostile. Each check below is one way a crafted file could
 make a reader crash, hang, allocate without bound or read out of bounds; every failure
 raises :class:`FormatError` naming the file and the tensor.
+
+A header weightvault writes is sealed: its first ``__metadata__`` entry,
+``"weightvault.header_sum"``, holds the xxh3-128 of every byte before the data section
+(the 8-byte length, the JSON and its padding) with that entry's 32 digits read as
+zeros. The sum sits at a fixed place, so sealing is one hash of bytes the writer has
+anyway and checking is one hash of bytes the reader has read: nothing is re-encoded.
+
+Example:
+    >>> sealed = encode_header([TensorInfo("w", "F32", (2,), 0, 8)], {"format": "pt"}, seal=True)
+    >>> parse_header(sealed[8:], len(sealed) + 8, "w.safetensors").sealed
+    True
 """
 
 from __future__ import annotations
@@ -14,8 +25,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import xxhash
+
 from .._base.dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
-from .._base.errors import FormatError
+from .._base.errors import ChecksumError, FormatError
 from .._base.types import PathLike
 
 #: Largest header we parse. safetensors uses the same bound; a real header of a
@@ -23,6 +36,15 @@ from .._base.types import PathLike
 MAX_HEADER_BYTES = 100_000_000
 #: The safetensors header's own key for string metadata: no tensor may take it.
 METADATA_KEY = "__metadata__"
+#: The ``__metadata__`` key of the header's own checksum; always its first entry.
+HEADER_SUM_KEY = "weightvault.header_sum"
+#: What a sealed header starts with; the sum's 32 hex digits and a ``"`` follow.
+SEAL_PREFIX = b'{"' + METADATA_KEY.encode() + b'":{"' + HEADER_SUM_KEY.encode() + b'":"'
+SUM_DIGITS = 32
+_ZEROS = b"0" * SUM_DIGITS
+#: Where the digits lie, counted from the start of the file (after the 8-byte length).
+_DIGITS_AT = 8 + len(SEAL_PREFIX)
+_HEX = frozenset(b"0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,8 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     file_size: int
+    #: Whether the header carried its sum (:data:`HEADER_SUM_KEY`), checked before parsing.
+    sealed: bool = False
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -96,7 +120,18 @@ def read_header(f: BinaryIO, path: PathLike) -> Header:
 
 
 def parse_header(raw: bytes, file_size: int, where: str) -> Header:
-    """Validate header bytes ``raw`` for a file of ``file_size`` bytes."""
+    """Validate header bytes ``raw`` for a file of ``file_size`` bytes.
+
+    A sealed header's sum is checked first, on the bytes as read, so damage anywhere in
+    it is a :class:`ChecksumError` that says so, whatever the damage did to the JSON.
+
+    Raises:
+        ChecksumError: The header carries a sum and its bytes do not match it.
+        FormatError: The header is malformed, or holds a sum anywhere but at its start.
+    """
+    sealed = raw.startswith(SEAL_PREFIX)
+    if sealed:
+        check_header_sum(raw, where)
     try:
         text = raw.decode("utf-8")
         # A trailing run of spaces is the padding writers use to align the data section.
@@ -117,6 +152,14 @@ def parse_header(raw: bytes, file_size: int, where: str) -> Header:
         ):
             raise FormatError(f"{where}: __metadata__ must map strings to strings")
         metadata = metadata_doc
+    if not sealed and HEADER_SUM_KEY in metadata:
+        # Only a writer that re-encoded the header (another tool) moves the sum: it no
+        # longer covers these bytes, and a file must not pass as checked when it is not.
+        raise FormatError(
+            f"{where}: __metadata__ holds {HEADER_SUM_KEY!r} but not as the header's first "
+            "entry, where weightvault writes it: the header was rewritten by another tool "
+            "and the sum no longer covers it; save the file again with weightvault"
+        )
 
     data_start = 8 + len(raw)
     data_size = file_size - data_start
@@ -125,7 +168,37 @@ def parse_header(raw: bytes, file_size: int, where: str) -> Header:
         tensors[name] = _tensor_info(name, entry, data_size, where)
 
     _check_layout(tensors, data_size, where)
-    return Header(tensors, metadata, data_start, file_size)
+    return Header(tensors, metadata, data_start, file_size, sealed)
+
+
+def header_sum(raw: bytes | memoryview) -> str:
+    """The sum of sealed header bytes ``raw`` (the JSON and its padding, without the
+    8-byte length): xxh3-128 of the length and ``raw``, the sum's own digits as zeros."""
+    view = memoryview(raw)
+    at = _DIGITS_AT - 8
+    h = xxhash.xxh3_128(struct.pack("<Q", view.nbytes))
+    h.update(view[:at])
+    h.update(_ZEROS)
+    h.update(view[at + SUM_DIGITS :])
+    return h.hexdigest()
+
+
+def check_header_sum(raw: bytes, where: str) -> None:
+    """Check the sum of header bytes ``raw``, which start with :data:`SEAL_PREFIX`.
+
+    Raises:
+        ChecksumError: The digits are malformed or do not match the header's bytes.
+    """
+    at = _DIGITS_AT - 8
+    digits = raw[at : at + SUM_DIGITS]
+    well_formed = raw[at + SUM_DIGITS : at + SUM_DIGITS + 1] == b'"' and _HEX.issuperset(digits)
+    if not (well_formed and len(digits) == SUM_DIGITS and header_sum(raw) == digits.decode()):
+        shown = digits[:SUM_DIGITS].decode("ascii", "backslashreplace")
+        raise ChecksumError(
+            f"{where}: the header (names, shapes, offsets, metadata, manifest and training "
+            f"state) does not match its checksum {HEADER_SUM_KEY}={shown!r}: it was changed "
+            "after it was saved; restore the file from a good copy"
+        )
 
 
 #: A JSON escape of a UTF-16 surrogate; only these can smuggle a lone one into a string.
@@ -206,13 +279,30 @@ def _check_layout(tensors: dict[str, TensorInfo], data_size: int, where: str) ->
         )
 
 
-def encode_header(tensors: list[TensorInfo], metadata: dict[str, str], *, align: int = 8) -> bytes:
-    """Encode a header, padded with spaces so the data section starts ``align``-aligned."""
+def encode_header(
+    tensors: list[TensorInfo], metadata: dict[str, str], *, align: int = 8, seal: bool = False
+) -> bytes:
+    """Encode a header, padded with spaces so the data section starts ``align``-aligned.
+
+    With ``seal``, the header's sum (:data:`HEADER_SUM_KEY`) is its first metadata entry:
+    the bytes are encoded once with 32 zeros in its place, hashed, and the digits spliced
+    in. The length does not depend on the sum, so a writer may encode placeholders first.
+    """
     doc: dict[str, Any] = {}
+    if seal:
+        metadata = {HEADER_SUM_KEY: _ZEROS.decode(), **metadata}
     if metadata:
         doc[METADATA_KEY] = metadata
     for t in tensors:
         doc[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.start, t.end]}
     body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     body += b" " * (-(8 + len(body)) % align)
-    return struct.pack("<Q", len(body)) + body
+    encoded = struct.pack("<Q", len(body)) + body
+    return seal_header(encoded) if seal else encoded
+
+
+def seal_header(encoded: bytes) -> bytes:
+    """Fill in the sum of an encoded header (length included) whose digits are zeros."""
+    assert encoded.startswith(_ZEROS, _DIGITS_AT) and encoded[8:].startswith(SEAL_PREFIX)
+    digest = xxhash.xxh3_128_hexdigest(encoded).encode()
+    return encoded[:_DIGITS_AT] + digest + encoded[_DIGITS_AT + SUM_DIGITS :]

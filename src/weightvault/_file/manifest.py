@@ -4,7 +4,7 @@ A plain safetensors reader sees only the stored tensors, the de facto ``{alias: 
 entries and ``"format"``. Everything else lives in one namespaced entry, ``weightvault``,
 whose value is a JSON document::
 
-    {"version": 1, "checksum": "xxh3_64", "sums": {stored: hex},
+    {"version": 2, "checksum": "xxh3_64", "sums": {stored: hex},
      "aliases": {alias: kept}, "copies": {copy: stored},
      "views": {name: [base, dtype, shape, stride, byte_offset]},
      "frozen": [...], "names": [... every name, model order ...], "metadata": {...},
@@ -16,6 +16,11 @@ an earlier one's, kept for plain readers, so ``inspect`` can tell what
 ``dedupe_copies=True`` would save.
 ``"training"`` (optimizer, scheduler and RNG state) is present only in checkpoints saved
 with them; :mod:`weightvault._training` describes it.
+
+``version`` says whether the header is sealed (:data:`~.header.HEADER_SUM_KEY`): a file
+of version 2 must carry its header's sum and one of version 1 (written before sums)
+must carry none, so no change of one byte turns a sealed file into one read unchecked.
+A vault record's header is sealed by its record and keeps version 1.
 """
 
 from __future__ import annotations
@@ -26,15 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._base.dtypes import ITEMSIZE, MAX_DIMS, fits_int64, span
-from .._base.errors import FormatError
-from .header import TensorInfo, check_unicode
+from .._base.errors import ChecksumError, FormatError
+from .header import HEADER_SUM_KEY, TensorInfo, check_unicode
 
 MANIFEST_KEY = "weightvault"
-FORMAT_VERSION = 1
+#: The version a file is written at: its header carries its sum.
+FORMAT_VERSION = 2
+#: A header without a sum: files written before sums, and vault records' headers.
+UNSEALED_VERSION = 1
+READ_VERSIONS = (UNSEALED_VERSION, FORMAT_VERSION)
 CHECKSUM_ALGORITHM = "xxh3_64"
 CHECKSUM_WIDTH = 16
 #: Metadata keys with a meaning of their own, never read as ``{alias: kept}``.
-RESERVED_KEYS = frozenset({"format", MANIFEST_KEY})
+RESERVED_KEYS = frozenset({"format", MANIFEST_KEY, HEADER_SUM_KEY})
 #: Stored tensors under this prefix hold the storage that several partial views share;
 #: they are no model's name.
 INTERNAL_PREFIX = "__weightvault__."
@@ -67,7 +76,8 @@ class Manifest:
     sums: dict[str, str] = field(default_factory=dict)
     checksum: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    #: A file's writer sets :data:`FORMAT_VERSION` as it seals the header.
+    version: int = UNSEALED_VERSION
     ours: bool = True
     duplicates: dict[str, str] = field(default_factory=dict)
     training: dict[str, Any] | None = None
@@ -96,17 +106,37 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
-def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], where: str) -> Manifest:
+def read_manifest(
+    metadata: dict[str, str],
+    tensors: dict[str, TensorInfo],
+    where: str,
+    *,
+    sealed: bool | None = None,
+) -> Manifest:
     """Build the manifest of a file from its header, validating every reference.
 
     Files we did not write get a manifest too: their ``{alias: kept}`` entries (written by
     ``safetensors.torch.save_model`` or the Hub converter) become aliases.
 
+    Args:
+        metadata: The header's ``__metadata__``.
+        tensors: The header's stored tensors.
+        where: The file, for messages.
+        sealed: For a file, whether its header carried its sum: version 2 must, version
+            1 and files without a manifest must not. ``None`` (a vault record's header,
+            which its record seals) checks nothing.
+
     Raises:
-        FormatError: A reference points nowhere, names collide, or aliases form a cycle.
+        FormatError: A reference points nowhere, names collide, aliases form a cycle,
+            or the version and the header's sum disagree (a :class:`ChecksumError`).
     """
     raw = metadata.get(MANIFEST_KEY)
     if raw is None:
+        if sealed:
+            raise FormatError(
+                f"{where}: the header carries {HEADER_SUM_KEY!r} but no weightvault manifest "
+                f"({MANIFEST_KEY!r}); restore the file from a good copy"
+            )
         return _foreign_manifest(metadata, tensors, where)
     try:
         doc = json.loads(raw)
@@ -116,10 +146,25 @@ def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], wher
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: the weightvault manifest must be a JSON object")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version not in READ_VERSIONS:
         raise FormatError(
             f"{where}: manifest version {str(version)[:20]!r} is not supported by this "
-            f"weightvault (it reads version {FORMAT_VERSION}); upgrade weightvault"
+            f"weightvault (it reads versions {READ_VERSIONS[0]} and {READ_VERSIONS[-1]}); "
+            "upgrade weightvault"
+        )
+    if sealed is not None and sealed != (version == FORMAT_VERSION):
+        # Either way one damaged byte (a version digit, the sum's key) would otherwise
+        # turn a sealed file into one read unchecked.
+        problem = (
+            f"carries a checksum ({HEADER_SUM_KEY!r}) but its manifest is version {version}, "
+            "written before header checksums"
+            if sealed
+            else f"lacks the checksum ({HEADER_SUM_KEY!r}) that every file of manifest "
+            f"version {version} carries"
+        )
+        raise ChecksumError(
+            f"{where}: the header {problem}: it was damaged after it was saved; restore "
+            "the file from a good copy"
         )
     m = Manifest(
         aliases=_str_map(doc.get("aliases", {}), "aliases", where),
@@ -134,6 +179,7 @@ def read_manifest(metadata: dict[str, str], tensors: dict[str, TensorInfo], wher
         metadata=_str_map(doc.get("metadata", {}), "metadata", where),
         duplicates=_str_map(doc.get("duplicates", {}), "duplicates", where),
         training=None if doc.get("training") is None else _dict(doc["training"], "training", where),
+        version=version,
     )
     _validate(m, tensors, where)
     return m

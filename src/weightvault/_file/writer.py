@@ -18,6 +18,7 @@ from .header import METADATA_KEY, TensorInfo, encode_header
 from .layout import is_training, with_training
 from .manifest import (
     CHECKSUM_WIDTH,
+    FORMAT_VERSION,
     INTERNAL_PREFIX,
     MANIFEST_KEY,
     RESERVED_KEYS,
@@ -95,7 +96,9 @@ def write(
 
     The data is streamed tensor by tensor, never gathered in memory. Checksums are
     computed while writing, and the header, whose length is fixed in advance (digests
-    have a fixed width), is written last at offset 0, so the data is read only once.
+    have a fixed width), is written last at offset 0, so the data is read only once. The
+    header is sealed by its own checksum (:func:`~.header.encode_header`), one hash of
+    its bytes.
 
     The file appears at ``path`` only after it is complete and on disk: it is written to
     a temporary name in the same folder, fsynced, then renamed over ``path``. A crash at
@@ -105,12 +108,13 @@ def write(
     placed = layout(plan.stored)
     placeholders = {s.name: "0" * CHECKSUM_WIDTH for s, _ in placed} if checksum else None
     manifest = plan.manifest(metadata, sums=placeholders)
+    manifest.version = FORMAT_VERSION  # a sealed header
     header_meta = _header_metadata(plan, framework, manifest)
     infos = [info for _, info in placed]
     # Large files start their data on a page of its own: the header is written last, and
     # rewriting a page the kernel is already writing back can stall for the whole queue.
     align = PAGE if sum(i.nbytes for i in infos) >= BIG else 8
-    header = encode_header(infos, header_meta, align=align)
+    header = encode_header(infos, header_meta, align=align, seal=True)
 
     with atomic_file(os.fspath(path)) as out:
         fd = out.fd
@@ -127,8 +131,10 @@ def write(
                     manifest.sums[s.name] = digest.result()
                 if progress is not None:
                     progress(s.nbytes)
-        final = encode_header(infos, _header_metadata(plan, framework, manifest), align=align)
-        # Same length by construction: placeholders and digests are both 16 hex digits.
+        final = encode_header(
+            infos, _header_metadata(plan, framework, manifest), align=align, seal=True
+        )
+        # Same length by construction: placeholders and digests are fixed-width hex.
         assert len(final) == len(header)
         os.pwrite(fd, final, 0)
     return len(header) + sum(info.nbytes for info in infos)

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from .._base.dtypes import describe, numel
 from .._base.errors import FormatError
 from .._base.types import PathLike
-from .._file.checkpoint import Checkpoint, CheckpointSource, materialize_limit
+from .._file.checkpoint import Checkpoint, CheckpointSource, SafetensorsFile, materialize_limit
 from .._file.layout import is_training
-from .._file.manifest import FORMAT_VERSION
 from .._file.sharing import same_bytes
 from ..formats._registry import open_checkpoint, opened
 
@@ -105,7 +104,7 @@ def _inspection(ckpt: Checkpoint) -> Inspection:
         file_bytes=ckpt.size,
         metadata=dict(m.metadata),
         tensors=records,
-        format_version=FORMAT_VERSION if m.ours else None,
+        format_version=m.version if m.ours else None,
         checksum=m.checksum,
         framework=ckpt.framework,
         shared_storage={
@@ -138,17 +137,28 @@ def inspect(path: CheckpointSource) -> Inspection:
 
 @dataclass
 class VerifyReport:
-    """The result of :func:`verify`: ``ok`` and one line per problem, naming the tensor."""
+    """The result of :func:`verify`: ``ok`` and one line per problem, naming the tensor.
+
+    Attributes:
+        has_checksums: Whether the tensors' bytes carry checksums.
+        has_header_sum: Whether the header carries its checksum (every file weightvault
+            writes; not files written before header checksums, nor other writers' files)
+            and it matched. A file without one is still ``ok``: its header is unchecked.
+    """
 
     path: str
     ok: bool
     problems: list[str] = field(default_factory=list)
     checked: int = 0
     has_checksums: bool = True
+    has_header_sum: bool = False
 
 
 def verify(path: PathLike, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Check a file's structure and every stored tensor's checksum.
+    """Check a file's structure, its header's checksum and every stored tensor's checksum.
+
+    The header's checksum is checked as the file is opened, as every load does: a
+    damaged header is a problem naming the header, and nothing past it is read.
 
     A structurally broken file is reported, not raised, so a caller can treat every kind
     of damage alike.
@@ -195,6 +205,7 @@ def verify(path: PathLike, *, progress: Callable[[int], None] | None = None) -> 
             problems,
             checked=len(ckpt.stored) if ckpt.manifest.checksum else 0,
             has_checksums=ckpt.manifest.checksum is not None,
+            has_header_sum=isinstance(ckpt, SafetensorsFile) and ckpt.header.sealed,
         )
 
 
