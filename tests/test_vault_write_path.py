@@ -184,14 +184,21 @@ def test_a_base_another_writer_stored_anew_is_read_back_not_trusted(tmp_path: Pa
     nudge(m)
     vault.save(m)
     nudge(m)
-    # Another writer stores the second save's weight again, raw, as a vault without
-    # compression would: same name, another size. This vault's memory of it is stale.
-    ckpt = vault.open("latest")
-    stored = next(n for n in ckpt.objects if n.endswith("weight"))
-    weight = ckpt.objects[stored]
+    # Settled: the second save's weight is now a frame this vault's compactor wrote, and
+    # no compactor thread reads it any more.
+    vault.compact()
+    # Another writer stores that weight again, raw, as a vault without compression
+    # would: same name, another size. This vault's memory of it is stale. It writes as
+    # writers do: a temporary file renamed over the object.
+    with vault.open("latest") as ckpt:
+        stored = next(n for n in ckpt.objects if n.endswith("weight"))
+        weight = ckpt.objects[stored]
+        raw = bytes(ckpt.raw(stored))
     path = root / "objects" / weight[:2] / weight
-    raw = bytes(ckpt.raw(stored))
-    path.write_bytes(raw)
+    assert path.stat().st_size < len(raw)  # a compressed frame: the rewrite changes its size
+    temporary = path.with_name(f".{weight}.another-writer.tmp")
+    temporary.write_bytes(raw)
+    os.replace(temporary, path)
     vault.save(m)
     vault.wait()  # the compactor reads that object from its bytes, never from memory
     fresh = nn.Linear(256, 256)

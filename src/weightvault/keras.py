@@ -185,7 +185,7 @@ def load_file(
     with opened(path) as ckpt:
         # Without mmap, private copies read with preadv: a file truncated meanwhile is a
         # FormatError, where copying out of the map would die of SIGBUS.
-        stored = ckpt.raw if mmap else ckpt.read
+        stored = ckpt.mapped if mmap else ckpt.read
         return values_by_group(
             ckpt, mmap, "arrays", max_bytes, verify, stored=stored, value=entry_array, own=_copy
         )

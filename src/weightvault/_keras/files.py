@@ -69,6 +69,9 @@ class Renamed(Checkpoint):
     def raw(self, stored: str) -> memoryview:
         return self._inner.raw(self._back[stored])
 
+    def mapped(self, stored: str) -> memoryview:
+        return self._inner.mapped(self._back[stored])
+
     def check(self, stored: str) -> bool:
         return self._inner.check(self._back[stored])
 

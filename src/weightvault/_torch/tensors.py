@@ -149,7 +149,7 @@ def stored_tensor(ckpt: Checkpoint, stored: str, *, mmap: bool) -> torch.Tensor:
         if not ckpt.read_into(stored, memoryview(flat.numpy())):  # type: ignore[arg-type]
             flat = torch.frombuffer(ckpt.read(stored), dtype=torch.uint8)
         return flat.view(dtype).reshape(info.shape)
-    data = ckpt.raw(stored)
+    data = ckpt.mapped(stored)
     if data.readonly:
         # Read-only memory (decoded foreign formats) can back no tensor safely: copy it.
         with warnings.catch_warnings():

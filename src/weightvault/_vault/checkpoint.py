@@ -35,6 +35,7 @@ from .objects import (
     prefetch,
     read_object,
 )
+from .pack import missing
 from .records import parse_header_text, parse_record, record_key
 from .store import Store
 
@@ -130,7 +131,7 @@ class VaultCheckpoint(ObjectCheckpoint):
         try:
             return open_object(self.store, self.objects[stored], expected, files=self._files)
         except FileNotFoundError:
-            raise damaged(self.path, stored, "its object is missing") from None
+            raise missing(self.store, self.path, stored, "its object is missing") from None
         except FormatError as e:
             raise damaged(self.path, stored, str(e)) from None
 
@@ -162,11 +163,13 @@ class VaultCheckpoint(ObjectCheckpoint):
         if out is not None:
             self._checked(stored, out)
         if out is None:
-            # A raw local object: its file's mapping, as a single file's raw() gives.
+            # A raw local object: its file's bytes, read (never mapped) into memory of its own.
             try:
                 return read_object(self.store, self.objects[stored], self.stored[stored].nbytes)
             except FileNotFoundError:
-                raise damaged(self.path, stored, "its object is missing") from None
+                raise missing(self.store, self.path, stored, "its object is missing") from None
+            except FormatError as e:
+                raise damaged(self.path, stored, str(e)) from None
         if self._reserve(out.nbytes):
             self._kept[stored] = out
         return out

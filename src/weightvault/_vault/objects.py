@@ -12,6 +12,12 @@ next gc or :meth:`~weightvault.Vault.break_gc_lock` puts it back. So every read 
 been put back meanwhile): :func:`locations` is that order, and every reader of objects
 (whole-tensor checkpoints, DCP chunks, ranged DCP reads, verify) goes through it.
 
+Nothing here maps a file: local objects and packs are read with ``preadv`` into memory
+of the reader's own. An object is immutable once named, but another process, a damaged
+disk or a hostile user can still cut one short, and touching a mapped page past a
+file's new end kills the process with ``SIGBUS``; a short ``preadv`` is a
+:class:`FormatError` naming the object instead (docs/benchmarks.md, section 31, measures both).
+
 Example:
     >>> object_key(content_hash(b"abc"))[:11]
     'objects/64/'
@@ -19,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -28,7 +33,7 @@ import blake3
 import xxhash
 
 from .._base.errors import FormatError
-from .._file.checkpoint import HASH_WINDOW, Checkpoint
+from .._file.checkpoint import HASH_WINDOW, Checkpoint, new_buffer
 from .._file.header import TensorInfo
 from .._file.manifest import Manifest
 from .codec import codec_pool
@@ -170,6 +175,10 @@ def object_file(store: Store, digest: str) -> memoryview:
     """
     for key, packed in _loose_then_packed(store, digest, known_first=True):
         try:
+            path = store.local_path(key)
+            if path is not None:
+                with open_file_at(path, packed) as f:
+                    return f.whole()
             if packed is None:
                 return store.view(key)
             return _packed_view(store, key, packed)
@@ -179,20 +188,13 @@ def object_file(store: Store, digest: str) -> memoryview:
 
 
 def _packed_view(store: Store, key: str, where: Packed) -> memoryview:
-    """An object's bytes in the pack at ``key``: a window of its mapping, locally."""
-    end = where.offset + where.size
-    path = store.local_path(key)
+    """An object's bytes in the pack at ``key`` of a remote store (one ranged read)."""
     if where.size == 0 and store.size(key) is not None:
         return memoryview(bytearray())  # a ranged read of nothing may read the whole file
-    if path is None:
-        data = store.get_range(key, where.offset, end)
-        if len(data) != where.size:
-            raise FormatError(f"{store.url}/{key}: the pack ended before its objects did")
-        return memoryview(bytearray(data))
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < end:
-            raise FormatError(f"{path}: the pack ended before its objects did (truncated)")
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))[where.offset : end]
+    data = store.get_range(key, where.offset, where.offset + where.size)
+    if len(data) != where.size:
+        raise FormatError(f"{store.url}/{key}: the pack ended before its objects did")
+    return memoryview(bytearray(data))
 
 
 #: Where a read finds an object's file: the store, or files fetched ahead (remote stores).
@@ -208,10 +210,17 @@ class ObjectFile:
     """
 
     def __init__(
-        self, *, fd: int = -1, data: memoryview | None = None, window: Packed | None = None
+        self,
+        *,
+        fd: int = -1,
+        data: memoryview | None = None,
+        window: Packed | None = None,
+        where: str = "",
     ) -> None:
         self._fd = fd
         self._data = data
+        #: The file (the pack, for an object in one), for messages.
+        self.where = where
         # An object in a pack is a window of the pack's file (see :mod:`.pack`).
         self._at = window.offset if window is not None else 0
         self._window = window is not None
@@ -246,6 +255,21 @@ class ObjectFile:
                 raise FormatError("the object ended before its bytes did (truncated)")
             out, offset = out[n:], offset + n
 
+    def whole(self) -> memoryview:
+        """Every byte of the file (or of its window in a pack), in a buffer of its own.
+
+        Raises:
+            FormatError: The file was cut short since it was opened, naming it.
+        """
+        if self._data is not None:
+            return self._data
+        out = new_buffer(self.size)
+        try:
+            self.read_into(0, out)
+        except FormatError as e:
+            raise FormatError(f"{self.where}: {e}") from None
+        return out
+
     @property
     def preadv(self) -> Callable[[int, memoryview], None] | None:
         """:meth:`read_into` for a local file (reads into a buffer); ``None`` for bytes
@@ -261,6 +285,23 @@ class ObjectFile:
     def __del__(self) -> None:
         # A checkpoint dropped without close() must not leak the descriptors it held.
         self.close()
+
+    def __enter__(self) -> ObjectFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_file_at(path: str, packed: Packed | None) -> ObjectFile:
+    """The local file at ``path`` (or the window ``packed`` of it, in a pack), open for
+    ``preadv``. A pack's index was checked against the pack's size when it was read; a
+    pack cut short since then fails the read (:meth:`ObjectFile.read_into`).
+
+    Raises:
+        FileNotFoundError: Nothing is at ``path``.
+    """
+    return ObjectFile(fd=os.open(path, os.O_RDONLY), window=packed, where=path)
 
 
 def open_file(store: Store, digest: str, files: Files | None = None) -> ObjectFile:
@@ -278,11 +319,7 @@ def open_file(store: Store, digest: str, files: Files | None = None) -> ObjectFi
                 if packed is None:
                     return ObjectFile(data=store.view(key))
                 return ObjectFile(data=_packed_view(store, key, packed))
-            if packed is None:
-                return ObjectFile(fd=os.open(path, os.O_RDONLY))
-            # Its index was checked against the pack's size; a pack cut short since then
-            # fails the read (read_into).
-            return ObjectFile(fd=os.open(path, os.O_RDONLY), window=packed)
+            return open_file_at(path, packed)
         except FileNotFoundError:
             continue
     raise FileNotFoundError(object_key(digest))
@@ -379,9 +416,10 @@ def open_object(
         raise
 
 
-def _is_raw(data: memoryview, size: int | None) -> bool:
-    """Whether a file is the object's raw bytes rather than a frame (see :mod:`.frame`)."""
-    return not is_frame(data) or (size is not None and data.nbytes == size)
+def _is_raw(head: memoryview, size: int | None, file_size: int) -> bool:
+    """Whether a file of ``file_size`` bytes that starts with ``head`` is the object's raw
+    bytes rather than a frame (see :mod:`.frame`)."""
+    return not is_frame(head) or (size is not None and file_size == size)
 
 
 def read_object(
@@ -389,8 +427,9 @@ def read_object(
 ) -> memoryview:
     """The raw bytes of object ``digest``, decompressed and its delta chain applied.
 
-    A raw object comes back as its file's bytes (mapped, for a local store); a frame is
-    decoded into a new buffer of exactly the raw size, which must be ``nbytes`` when
+    A raw object comes back as its file's bytes, read into a buffer of its own (never
+    mapped: a file cut short meanwhile is a :class:`FormatError`); a frame is decoded
+    into a new buffer of exactly the raw size, which must be ``nbytes`` when
     given: a frame that claims more is refused before anything is allocated.
 
     Raises:
@@ -398,13 +437,10 @@ def read_object(
         FormatError: Its frame is damaged or lies, or a delta base is missing or does not
             fit; the message names the object.
     """
-    if files is not None and digest in files:
-        data = memoryview(files[digest]).cast("B")
-    else:
-        data = object_file(store, digest)
-    if _is_raw(data, nbytes):
-        return data
-    del data
+    # Told apart by the file's size and first bytes, so a frame is not read whole first.
+    with open_file(store, digest, files) as f:
+        if _is_raw(memoryview(f.read(0, HEADER_SIZE)), nbytes, f.size):
+            return f.whole()
     try:
         with open_object(store, digest, nbytes, files=files) as obj:
             out = memoryview(bytearray(obj.size))

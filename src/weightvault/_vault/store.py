@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from .._base.atomic import (
     write_all,
     write_temp,
 )
-from .._base.errors import BackendNotInstalled
+from .._base.errors import BackendNotInstalled, FormatError
 
 #: A blob's bytes: one buffer, or parts written one after another.
 Payload = bytes | memoryview | Sequence[bytes | memoryview]
@@ -172,10 +171,11 @@ class LocalStore(Store):
 
     def view(self, key: str) -> memoryview:
         with open(self._path(key), "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                return memoryview(bytearray())
-            # MAP_PRIVATE: callers may write to tensors built on it; the object never changes.
-            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+            # Read, never mapped: a file cut short meanwhile must not kill with SIGBUS.
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            if f.readinto(data) != len(data):
+                raise FormatError(f"{self._path(key)}: the file was cut short while read")
+            return memoryview(data)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         with open(self._path(key), "rb") as f:

@@ -25,12 +25,11 @@ elements over 4 bytes would otherwise be expanded in full).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import zipfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from .._base.dtypes import ITEMSIZE, contiguous, numel
 from .._base.errors import FormatError
@@ -163,7 +162,9 @@ def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignC
     if is_zip:
         _validate_zip(where, budget.requested)
     try:
-        obj = torch.load(where, map_location="cpu", weights_only=True, mmap=is_zip)
+        # Read, not mapped (mmap=True): touching a mapping of a file cut short meanwhile
+        # kills the process with SIGBUS, where torch's reads raise.
+        obj = torch.load(where, map_location="cpu", weights_only=True, mmap=False)
     except Exception as e:
         raise FormatError(
             f"{where}: torch.load(weights_only=True) refused the file "
@@ -205,20 +206,34 @@ def _open_without_torch(where: str, budget: DecodeBudget) -> ForeignCheckpoint:
 
 
 def _validate_zip(where: str, limit: int | None) -> None:
-    """Check every tensor lies inside its storage entry before torch maps the file.
+    """Check every tensor lies inside its storage entry before torch reads the file.
 
-    ``torch.load(mmap=True)`` trusts the sizes in the pickle, so a crafted file could
-    make a tensor read past its entry into the rest of the file.
+    ``torch.load`` trusts the sizes in the pickle, so a crafted file could make a tensor
+    read past its entry. Only the zip's directory, its local headers and the pickle are
+    read here (:class:`_Sparse`): reading the whole file as well as torch's own read
+    made opening a GPT-2 ``.pt`` 3.2x slower.
     """
-    mm, size = map_file(where)
-    if mm is None:
-        raise FormatError(f"{where}: the file is empty")
-    # Its own budget: this pass only checks, and the real open charges the same names.
-    budget = DecodeBudget(where, size, limit)
-    buf = memoryview(mm)
-    try:
+    with open(where, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise FormatError(f"{where}: the file is empty")
+        # Its own budget: this pass only checks, and the real open charges the same names.
+        budget = DecodeBudget(where, size, limit)
+        buf = cast(memoryview, _Sparse(f.fileno(), 0, size))
         _tensors(unpickle_zip(where, buf, budget), where, lambda v: isinstance(v, StandIn), budget)
-    finally:
-        buf.release()
-        with contextlib.suppress(BufferError):
-            mm.close()
+
+
+class _Sparse:
+    """The part of a memoryview's interface a bounds check uses (``nbytes``, slicing,
+    ``bytes()`` of a short slice), over a file: a slice is read only when its bytes
+    are asked for, so checking a storage's bounds reads nothing of it."""
+
+    def __init__(self, fd: int, start: int, stop: int) -> None:
+        self.fd, self.start, self.nbytes = fd, start, max(0, stop - start)
+
+    def __getitem__(self, key: slice) -> _Sparse:
+        lo, hi, _ = key.indices(self.nbytes)
+        return _Sparse(self.fd, self.start + lo, self.start + max(lo, hi))
+
+    def __bytes__(self) -> bytes:
+        return os.pread(self.fd, self.nbytes, self.start)
