@@ -1,4 +1,4 @@
-"""What every foreign-format reader shares: file reads, lazy imports and the checkpoint.
+"""What every foreign-format reader shares: file maps, lazy imports and the checkpoint.
 
 Readers decode a foreign file into :class:`~weightvault._file.sharing.Source` records and hand
 them to :func:`build`, which runs the same :func:`~weightvault._file.sharing.plan` as a save. So a
@@ -10,6 +10,7 @@ copies, found by content with the one dedup the library has.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import struct
 import zipfile
@@ -85,41 +86,13 @@ def need(module: str, what: str) -> Any:
         raise BackendNotInstalled(f"{what} needs {module}: {PIP_FORMATS}") from e
 
 
-class FileBytes(bytearray):
-    """A foreign file's bytes, read into memory of this process' own.
-
-    Never a mapping: a file cut short while a mapping of it is read kills the process
-    with ``SIGBUS``, where a short read is a :class:`FormatError`. Every reader parses
-    and hashes (the save plan's dedup) the whole file anyway, so one read costs what
-    faulting in the mapping did (docs/benchmarks.md, section 31).
-    """
-
-    def close(self) -> None:
-        """Free the bytes now, unless a view handed out still holds them (then they go
-        with the last view)."""
-        with contextlib.suppress(BufferError):
-            del self[:]
-
-
-def map_file(path: str) -> tuple[FileBytes | None, int]:
-    """The bytes of ``path``, read whole, and its size (``None`` for an empty file).
-
-    Raises:
-        FormatError: The file was cut short while it was read.
-    """
-    with open(path, "rb", buffering=0) as f:
+def map_file(path: str) -> tuple[mmap.mmap | None, int]:
+    """A read-only map of ``path`` and its size (no map for an empty file)."""
+    with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return None, 0
-        data = FileBytes(size)
-        view, done = memoryview(data), 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise FormatError(f"{path}: the file was cut short while it was read")
-            done += n
-        view.release()
-        return data, size
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), size
 
 
 class ForeignCheckpoint(MemoryCheckpoint):
@@ -135,7 +108,7 @@ class ForeignCheckpoint(MemoryCheckpoint):
         arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]],
         manifest: Manifest,
         fmt: str,
-        keep: FileBytes | None = None,
+        keep: mmap.mmap | None = None,
     ) -> None:
         super().__init__(path, arrays, manifest)
         self.format = fmt
@@ -164,7 +137,7 @@ def build(
     sources: Sequence[Source],
     fmt: str,
     *,
-    keep: FileBytes | None = None,
+    keep: mmap.mmap | None = None,
     metadata: dict[str, str] | None = None,
 ) -> ForeignCheckpoint:
     """Plan ``sources`` as a save would and wrap the result as a checkpoint.

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import mmap
 import os
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
@@ -57,15 +58,7 @@ from .._base.types import PathLike
 from .._file.checkpoint import read_fully
 from .._file.manifest import Manifest
 from .._file.sharing import Source, plan
-from ._common import (
-    FileBytes,
-    ForeignCheckpoint,
-    check_shape,
-    check_tensor,
-    decoding,
-    map_file,
-    need,
-)
+from ._common import ForeignCheckpoint, check_shape, check_tensor, decoding, map_file, need
 
 #: A chunked dataset may decompress to at most this multiple of the bytes it occupies
 #: (deflate tops out near 1032:1), plus a small allowance for never-written fill values.
@@ -179,7 +172,7 @@ class H5Checkpoint(ForeignCheckpoint):
         arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]],
         manifest: Manifest,
         offsets: dict[str, int],
-        keep: FileBytes | None,
+        keep: mmap.mmap | None,
         declared: Declared | None = None,
     ) -> None:
         super().__init__(region.path, arrays, manifest, "keras", keep)
@@ -230,7 +223,7 @@ def open_keras_h5(path: PathLike, *, max_decoded_bytes: int | None = None) -> H5
     return read_region(Region(where, 0, size, where), mm, budget)
 
 
-def read_region(region: Region, mm: FileBytes | None, budget: DecodeBudget) -> H5Checkpoint:
+def read_region(region: Region, mm: mmap.mmap | None, budget: DecodeBudget) -> H5Checkpoint:
     """Read the HDF5 file in ``region`` of the mapped file ``mm`` (see the module)."""
     h5py = need("h5py", "reading Keras .weights.h5 files")
     where = region.label
@@ -263,7 +256,7 @@ def read_region(region: Region, mm: FileBytes | None, budget: DecodeBudget) -> H
 
 
 def _build(
-    region: Region, reader: _Reader, declared: Declared | None, mm: FileBytes | None
+    region: Region, reader: _Reader, declared: Declared | None, mm: mmap.mmap | None
 ) -> H5Checkpoint:
     """Plan the datasets as a save without ``dedupe_copies`` would: equal ones stay stored
     and are listed as duplicates, except the copies the manifest declares."""

@@ -16,6 +16,7 @@ MXNet 2's ``.npz`` files are read by :mod:`weightvault.formats.npz`.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
@@ -24,15 +25,7 @@ from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
 from .._base.types import PathLike
 from .._file.sharing import Source
-from ._common import (
-    MXNET_LIST_MAGIC,
-    FileBytes,
-    ForeignCheckpoint,
-    build,
-    decoding,
-    map_file,
-    plain,
-)
+from ._common import MXNET_LIST_MAGIC, ForeignCheckpoint, build, decoding, map_file, plain
 
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 #: mshadow type flags -> safetensors dtype names (seed-systems.md §2.4).
@@ -142,7 +135,7 @@ def open_mxnet(path: PathLike, *, max_decoded_bytes: int | None = None) -> Forei
         return _open(where, mm, size, budget)
 
 
-def _open(where: str, mm: FileBytes | None, size: int, budget: DecodeBudget) -> ForeignCheckpoint:
+def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> ForeignCheckpoint:
     buf = memoryview(mm) if mm is not None else memoryview(b"")
     r = _Cursor(buf, where)
     if size < 24:

@@ -18,6 +18,7 @@ MXNet 2 stores a sparse array as a folder (``w/data.npy``, ``w/indices.npy``,
 from __future__ import annotations
 
 import ast
+import mmap
 import os
 import struct
 import zipfile
@@ -30,7 +31,6 @@ from .._base.limits import DecodeBudget
 from .._base.types import PathLike
 from .._file.sharing import Source
 from ._common import (
-    FileBytes,
     ForeignCheckpoint,
     build,
     check_shape,
@@ -91,7 +91,7 @@ def open_npz(path: PathLike, *, max_decoded_bytes: int | None = None) -> Foreign
         return _open(where, mm, budget)
 
 
-def _open(where: str, mm: FileBytes | None, budget: DecodeBudget) -> ForeignCheckpoint:
+def _open(where: str, mm: mmap.mmap | None, budget: DecodeBudget) -> ForeignCheckpoint:
     buf = memoryview(mm) if mm is not None else memoryview(b"")
     if bytes(buf[:6]) == b"\x93NUMPY":
         return build(where, [_array(where, "arr_0", buf, budget)], "numpy", keep=mm)
