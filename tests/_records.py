@@ -9,17 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from weightvault._vault.records import encode_record
+from weightvault._vault.seal import seal as seal_body
 
 _SUM = re.compile(r',\s*"sum"\s*:\s*"[0-9a-f]{32}"')
 
 
 def seal(text: str) -> str:
     """``text`` (a record's JSON, edited as text) with its checksum made anew."""
-    body = _SUM.sub("", text).rstrip()
-    import xxhash
-
-    digest = xxhash.xxh3_128_hexdigest(body.encode())
-    return f'{body[:-1]},"sum":"{digest}"}}'
+    return seal_body(_SUM.sub("", text).rstrip().encode()).decode()
 
 
 def rewrite(path: Path, doc: dict[str, Any]) -> None:

@@ -39,7 +39,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,6 +66,7 @@ __all__ = [
     "codec_pool",
     "compress_block",
     "decompress_block",
+    "preload",
 ]
 
 #: Raw bytes per block: blocks compress independently, on all cores, and a ranged read
@@ -146,6 +150,26 @@ def codec_named(name: str | None, where: str) -> Codec | None:
 #: Threads that (de)compress blocks and read objects, one per core; they never wait on
 #: other work.
 codec_pool = LazyPool(os.cpu_count() or 1, "weightvault-codec")
+
+
+def preload() -> None:
+    """Import python-blosc2 now, in the calling thread, leaving Python's ``random`` as it
+    was.
+
+    Its first import draws from ``random``. Left to the compactor, it happens in the
+    compactor's thread after a save, and what training draws from then on (a data
+    augmentation's numbers) differs from a run without the vault; restoring the state
+    there would race the training thread's own draws. The training-loop integrations call
+    this before training begins; a save does not, since the import takes 0.3-0.5 s.
+    """
+    if "blosc2" in sys.modules:
+        return
+    state = random.getstate()
+    try:
+        with contextlib.suppress(ImportError):  # _blosc2 says so when it is needed
+            import blosc2  # noqa: F401
+    finally:
+        random.setstate(state)
 
 
 def _blosc2() -> Any:

@@ -34,7 +34,7 @@ from .._base.errors import (
 )
 from .._file.header import Header, parse_header
 from .._file.manifest import Manifest, read_manifest
-from .seal import seal, unseal
+from .seal import seal_json, unseal
 from .store import Store
 
 __all__ = [
@@ -225,9 +225,8 @@ def encode_record(doc: Mapping[str, Any]) -> bytes:
         >>> encode_record({"version": 1, "created": 1.5})
         b'{"version":2,"created":1.5,"sum":"..."}'
     """
-    sealed = {k: v for k, v in doc.items() if k != "sum"}
-    sealed["version"] = VERSION  # in place: the version stays first, for head_fields
-    return seal(json.dumps(sealed, separators=(",", ":")).encode())
+    # A dict update keeps the key where it was: the version stays first, for head_fields.
+    return seal_json({**doc, "version": VERSION})
 
 
 def rewrite_record(store: Store, name: str, doc: Mapping[str, Any]) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 from collections.abc import Sequence
 
 from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
@@ -49,22 +48,6 @@ def settle(vault: Vault) -> None:
         _log.warning("%s: compaction at the end of training failed (%s); a later "
                      "`weightvault vault %s compact` finishes it", vault.store.url, error,
                      vault.store.url)  # fmt: skip
-
-
-def import_codecs() -> None:
-    """Import python-blosc2 now, in this thread, leaving Python's ``random`` as it was.
-
-    Its first import draws from ``random``. Left to the vault's compactor, it happens in
-    the compactor's thread after a save, and the numbers training draws from then on
-    (a data augmentation's) differ from a run without the vault. A loop calls this
-    before training begins.
-    """
-    state = random.getstate()
-    try:
-        with contextlib.suppress(ImportError):  # the vault says so when it needs it
-            import blosc2  # noqa: F401
-    finally:
-        random.setstate(state)
 
 
 def not_installed(extra: str, needs: str) -> BackendNotInstalled:

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from .._base.errors import TrainingStateError, VaultNotFoundError
+from .._vault.codec import preload
 from .._vault.records import CheckpointRecord
 from .._vault.vault import Vault, VaultLike, as_vault
-from ._common import import_codecs, mirror_for, settle, trim
+from ._common import mirror_for, settle, trim
 
 try:
     import keras
@@ -176,7 +177,7 @@ class VaultCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self._step = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
-        import_codecs()  # here, not in the compactor's thread: it draws from ``random``
+        preload()  # here, not in the compactor's thread: it draws from ``random``
         self._step = 0
         self._carried = vault_best(self.vault, self.monitor, self.mode)
 

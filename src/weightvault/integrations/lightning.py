@@ -20,7 +20,8 @@ import sys
 from pathlib import PurePath
 from typing import Any
 
-from ._common import discard, import_codecs, mirror_for, not_installed, settle
+from .._vault.codec import preload
+from ._common import discard, mirror_for, not_installed, settle
 
 try:
     import torch
@@ -137,7 +138,7 @@ class VaultCheckpointIO(CheckpointIO):  # type: ignore[misc]
                 then each raises the same error from its broken barrier (see
                 :meth:`teardown`), never a hang.
         """
-        import_codecs()  # here, not in the compactor's thread: it draws from ``random``
+        preload()  # here, not in the compactor's thread: it draws from ``random``
         name = checkpoint_name(path)
         tensors: dict[str, torch.Tensor] = {}
         doc = _codec.encode(checkpoint, "checkpoint", tensor=_collect(tensors), hint=_HINT)

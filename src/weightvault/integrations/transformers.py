@@ -31,12 +31,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .._vault.codec import preload
 from ._common import (
     BEST,
     best_name,
     checkpoint_name,
     discard,
-    import_codecs,
     mirror_for,
     not_installed,
     retained,
@@ -167,7 +167,7 @@ class VaultCallback(SavePoints, TrainerCallback):  # type: ignore[misc]
                 "load_best_model_at_end=False and load it with resume_sharded's weightvault.dcp"
             )
         self._callbacks = trainer_callbacks()
-        import_codecs()
+        preload()
         self._due, self._training, self._best, self._hidden = None, True, None, None
         if state.global_step and getattr(args, "metric_for_best_model", None) is not None:
             self._resumed(state)
