@@ -33,7 +33,6 @@ from .objects import (
     damaged,
     open_object,
     prefetch,
-    read_object,
 )
 from .pack import missing
 from .records import parse_header_text, parse_record, record_key
@@ -159,17 +158,15 @@ class VaultCheckpoint(ObjectCheckpoint):
         if kept is not None:
             return kept
         with self._handles.pop(stored, None) or self._open(stored) as obj:
-            out = None if obj.raw and not self._files else self._decoded(stored, obj)
-        if out is not None:
-            self._checked(stored, out)
-        if out is None:
-            # A raw local object: its file's bytes, read (never mapped) into memory of its own.
-            try:
-                return read_object(self.store, self.objects[stored], self.stored[stored].nbytes)
-            except FileNotFoundError:
-                raise missing(self.store, self.path, stored, "its object is missing") from None
-            except FormatError as e:
-                raise damaged(self.path, stored, str(e)) from None
+            if obj.raw and not self._files:
+                # A raw local object: its file's bytes, read (never mapped) into memory of
+                # its own through the descriptor open already.
+                try:
+                    return obj.links[0][1].whole()
+                except FormatError as e:
+                    raise damaged(self.path, stored, str(e)) from None
+            out = self._decoded(stored, obj)
+        self._checked(stored, out)
         if self._reserve(out.nbytes):
             self._kept[stored] = out
         return out

@@ -392,15 +392,23 @@ _RAW_WINDOW = HASH_WINDOW
 
 
 def open_object(
-    store: Store, digest: str, nbytes: int | None = None, *, files: Files | None = None
+    store: Store,
+    digest: str,
+    nbytes: int | None = None,
+    *,
+    files: Files | None = None,
+    first: ObjectFile | None = None,
 ) -> OpenObject:
     """Object ``digest`` and its delta chain, opened and checked (:func:`chain`).
+
+    ``first``: the object's file, opened already (the result owns it from then on).
 
     Raises:
         FileNotFoundError: The object itself is nowhere.
         FormatError: Its frame is damaged or lies, or a base is missing or does not fit.
     """
-    first = open_file(store, digest, files)
+    if first is None:
+        first = open_file(store, digest, files)
     opened = [first]
 
     def get(d: str) -> ObjectFile:
@@ -437,12 +445,19 @@ def read_object(
         FormatError: Its frame is damaged or lies, or a delta base is missing or does not
             fit; the message names the object.
     """
-    # Told apart by the file's size and first bytes, so a frame is not read whole first.
-    with open_file(store, digest, files) as f:
-        if _is_raw(memoryview(f.read(0, HEADER_SIZE)), nbytes, f.size):
+    # Told apart by the file's size and first bytes, so a frame is not read whole first;
+    # a frame is decoded through the same open file.
+    f = open_file(store, digest, files)
+    try:
+        raw = _is_raw(memoryview(f.read(0, HEADER_SIZE)), nbytes, f.size)
+    except BaseException:
+        f.close()
+        raise
+    if raw:
+        with f:
             return f.whole()
     try:
-        with open_object(store, digest, nbytes, files=files) as obj:
+        with open_object(store, digest, nbytes, files=files, first=f) as obj:
             out = memoryview(bytearray(obj.size))
             obj.decode_into(out)
             return out
