@@ -46,8 +46,8 @@ import torch
 from _common import machine, save_plain_files, table
 
 from weightvault import Vault
-from weightvault._vault.delta import DELTA_CHAIN
-from weightvault._vault.diff import DIFFERENCE, XOR, make_delta
+from weightvault._vault.objects.encoding import DELTA_CHAIN
+from weightvault._vault.objects.transforms import DIFFERENCE, XOR, make_delta
 
 
 def disk(path: Path) -> int:
@@ -296,8 +296,8 @@ def _cpu_floor(model: Any, opt: Any, parent: Any) -> dict[str, float]:
     weights as differences to the checkpoint before, the moments in full). CPU seconds of
     the whole process (blake3 and blosc2 use threads of their own), minimum of 3;
     divided by the cores, the least wall time a save can take."""
-    from weightvault._vault.codec import BLOCK, CODECS, DEFAULT, compress_block
-    from weightvault._vault.objects import content_hash
+    from weightvault._vault.objects.access import content_hash
+    from weightvault._vault.objects.codec import BLOCK, CODECS, DEFAULT, compress_block
 
     weights = [p.detach().contiguous().view(torch.uint8).numpy() for p in model.parameters()]
     old = [p.detach().contiguous().view(torch.uint8).numpy() for p in parent.parameters()]
@@ -370,8 +370,14 @@ def _decode_floor(model: Any) -> float:
     """The CPU seconds that decompressing and checksumming this model's compressed
     objects takes (minimum of 3), over the cores: the least a verified load of them can
     take before it copies a byte."""
-    from weightvault._vault.codec import BLOCK, CODECS, DEFAULT, compress_block, decompress_block
-    from weightvault._vault.objects import checksum
+    from weightvault._vault.objects.access import checksum
+    from weightvault._vault.objects.codec import (
+        BLOCK,
+        CODECS,
+        DEFAULT,
+        compress_block,
+        decompress_block,
+    )
 
     codec = CODECS[DEFAULT]
     blocks = []

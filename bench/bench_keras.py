@@ -211,7 +211,7 @@ def child(contender: str, folder: str) -> int:
     if what.startswith("vault"):
         # The codec's import (blosc2, ~17 MiB) is once per process, not per load; as
         # Keras has h5py imported before its loads, a vault's codec is imported first.
-        from weightvault._vault.codec import _blosc2
+        from weightvault._vault.objects.codec import _blosc2
 
         _blosc2()
     gc.collect()

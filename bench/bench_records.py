@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import machine, med, table
 
 from weightvault import Vault
-from weightvault._vault.compact import _Records
-from weightvault._vault.records import creation_order, list_records, record_key, resolve
+from weightvault._vault.records.record import creation_order, list_records, record_key, resolve
+from weightvault._vault.upkeep.compact import _Records
 
 
 def fill(root: str, records: int) -> Vault:

@@ -33,13 +33,13 @@ import _train_lm as T
 import blosc2
 import torch
 
-import weightvault._vault.codec as codec_module
-import weightvault._vault.delta as delta_module
-import weightvault._vault.frame as frame_module
+import weightvault._vault.objects.codec as codec_module
+import weightvault._vault.objects.encoding as delta_module
+import weightvault._vault.objects.frame as frame_module
 from weightvault import Vault
-from weightvault._vault.codec import CODECS, STORED, Codec
-from weightvault._vault.diff import DIFFERENCE, make_delta
-from weightvault._vault.frame import encode_frame
+from weightvault._vault.objects.codec import CODECS, STORED, Codec
+from weightvault._vault.objects.frame import encode_frame
+from weightvault._vault.objects.transforms import DIFFERENCE, make_delta
 
 
 def _minimum(fn: Callable[[], Any], rounds: int) -> float:

@@ -38,7 +38,7 @@ from _common import build_model, machine, save_plain_files
 
 import weightvault
 import weightvault.torch as wv
-from weightvault._vault.mirror import Mirror
+from weightvault._vault.travel.mirror import Mirror
 
 
 def folder_bytes(path: str) -> int:

@@ -44,11 +44,11 @@ import torch
 from _common import quiesce
 from bench_vault_speed import gpt2_model
 
-import weightvault._vault.commit as _commit
-import weightvault._vault.intents as _intents
-import weightvault._vault.marker as _marker
-import weightvault._vault.pack as _pack
-import weightvault._vault.records as _records
+import weightvault._vault.records.intents as _intents
+import weightvault._vault.records.record as _records
+import weightvault._vault.store.identity as _marker
+import weightvault._vault.store.pack as _pack
+import weightvault._vault.writing.commit as _commit
 from weightvault import Vault
 
 

@@ -39,7 +39,7 @@ import weightvault
 import weightvault.torch as wv
 from weightvault._base.atomic import fsync_file
 from weightvault._cli.plot import plot
-from weightvault._vault.usage import vault_usage
+from weightvault._vault.records.usage import vault_usage
 
 MiB = 2**20
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 from weightvault import Vault
-from weightvault._vault.compact import compact
+from weightvault._vault.upkeep.compact import compact
 
 
 def main(argv: list[str]) -> None:

@@ -74,7 +74,7 @@ def main(what: str, framework: str, root: str) -> None:
         print(json.dumps({"digest": digest(framework, model)}))
         return
     # The codec's import is a one-time cost of the process (about 17 MiB), not the load's.
-    from weightvault._vault.codec import _blosc2
+    from weightvault._vault.objects.codec import _blosc2
 
     _blosc2()
     gc.collect()

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from weightvault._vault.records import encode_record
-from weightvault._vault.seal import seal as seal_body
+from weightvault._vault.records.record import encode_record
+from weightvault._vault.store.seal import seal as seal_body
 
 _SUM = re.compile(r',\s*"sum"\s*:\s*"[0-9a-f]{32}"')
 

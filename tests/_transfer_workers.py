@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
     command, src, dst = argv
     assert command == "push"
     import weightvault
-    from weightvault._vault import transfer
+    from weightvault._vault.travel import transfer
 
     transfer.BATCH_BYTES = 64 << 10
     print("pushing", flush=True)

@@ -33,6 +33,6 @@ def loose_saves(monkeypatch: pytest.MonkeyPatch) -> None:
     fsyncs per file), which poke ``objects/`` by path; packs have their own tests in
     tests/test_vault_packs.py.
     """
-    from weightvault._vault import pack
+    from weightvault._vault.store import pack
 
     monkeypatch.setattr(pack, "PACK_OBJECT", 0)

@@ -150,7 +150,7 @@ def test_retain_drops_a_dcp_checkpoints_optimizer_state_and_keeps_its_weights(
     """``retain(training_state_last=1)`` on an FSDP2 vault (per-rank chunk tables): the
     older checkpoint keeps its weights (load and export bitwise), refuses its optimizer
     state naming itself, and gc frees the optimizer chunks; the newest resumes bitwise."""
-    from weightvault._vault.objects import object_key
+    from weightvault._vault.objects.access import object_key
 
     root = tmp_path / "vault"
     shutil.copytree(saved["root"], root)
@@ -373,7 +373,7 @@ def test_a_dcp_checkpoint_loads_while_a_gc_holds_its_chunks_in_trash(
     (the state gc.collect is in between its two reads). Every read finds them there, as it
     does a plain checkpoint's objects (Vault.load, wdcp.load, plain dcp.load, Vault.export),
     and verify agrees; before, the loads said "the vault is damaged"."""
-    from weightvault._vault import gc as _gc
+    from weightvault._vault.upkeep import gc as _gc
 
     model, opt = _trained(1)
     rec = wdcp.save(model, tmp_path, optimizer=opt)
@@ -491,7 +491,7 @@ def test_import_weightvault_stays_torch_free() -> None:
     import sys
 
     code = (
-        "import sys, weightvault, weightvault._vault.dcp_record; assert 'torch' not in sys.modules"
+        "import sys, weightvault, weightvault._vault.records.dcp; assert 'torch' not in sys.modules"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -22,14 +22,9 @@ pytest.importorskip("torch.distributed.checkpoint")
 import weightvault  # noqa: E402
 from weightvault._dcp.index import ChunkIndex  # noqa: E402
 from weightvault._dcp.ranged import read_box, span  # noqa: E402
-from weightvault._vault.dcp_layout import (  # noqa: E402
-    Chunk,
-    encode_table,
-    encode_tensor,
-    parse_layout,
-)
-from weightvault._vault.objects import content_hash, object_key  # noqa: E402
-from weightvault._vault.store import LocalStore  # noqa: E402
+from weightvault._vault.objects.access import content_hash, object_key  # noqa: E402
+from weightvault._vault.records.dcp_layout import Chunk, encode_table, encode_tensor, parse_layout  # noqa: E402
+from weightvault._vault.store.backend import LocalStore  # noqa: E402
 
 D = "0" * 64
 

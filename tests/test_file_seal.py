@@ -32,12 +32,7 @@ import weightvault  # noqa: E402
 import weightvault.numpy as wvn  # noqa: E402
 import weightvault.torch as wvt  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
-from weightvault._file.header import (  # noqa: E402
-    HEADER_SUM_KEY,
-    SEAL_PREFIX,
-    header_sum,
-    read_header,
-)
+from weightvault._file.header import HEADER_SUM_KEY, SEAL_PREFIX, header_sum, read_header  # noqa: E402
 from weightvault._file.manifest import read_manifest  # noqa: E402
 
 LR = 0.001234

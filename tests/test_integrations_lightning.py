@@ -17,7 +17,7 @@ import weightvault.torch as wv
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _lightning_worker as lw
-from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header
+from weightvault._vault.objects.frame import HEADER_SIZE, MAGIC, parse_frame_header
 from weightvault.integrations.lightning import TRAINING_KEYS, VaultCheckpointIO, checkpoint_name
 
 WORKER = str(Path(__file__).parent / "_lightning_worker.py")

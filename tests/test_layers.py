@@ -14,7 +14,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "weightvault"
 
-#: Lowest first. A module's layer is that of its folder (``_vault.commit`` is in ``_vault``),
+#: Lowest first. A module's layer is that of its folder (``_vault.writing.commit`` is in ``_vault``),
 #: so a new module in an existing folder needs no entry here; the public top-level modules
 #: are named one by one. A module may import its own layer (acyclically) and any below.
 LAYERS: list[tuple[str, set[str]]] = [

@@ -230,8 +230,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 def _below(kind: str, victim: Path) -> int:
     if kind != "pack":
         return victim.stat().st_size
-    from weightvault._vault import pack as P
-    from weightvault._vault.store import LocalStore
+    from weightvault._vault.store import pack as P
+    from weightvault._vault.store.backend import LocalStore
 
     index = P.read_index(LocalStore(str(victim.parent.parent)), f"packs/{victim.name}")
     return max(w.offset + w.size for w in index.values())  # the index starts past it

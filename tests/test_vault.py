@@ -283,7 +283,7 @@ def test_auto_names_retry_when_another_writer_takes_the_next_name(
     vault = Vault(tmp_path)
     first = build(1, width=64)
     vault.save(first)
-    from weightvault._vault import commit
+    from weightvault._vault.writing import commit
 
     real = commit.next_name
     calls: list[str] = []
@@ -823,7 +823,7 @@ def test_gc_refuses_to_guess_when_a_record_lacks_its_objects(tmp_path: Path) -> 
 
 def test_a_dead_gc_marker_stops_blocking_saves(tmp_path: Path) -> None:
     """A gc killed mid-run leaves its marker; saves wait only until its heartbeat is stale."""
-    from weightvault._vault import gc as _gc
+    from weightvault._vault.upkeep import gc as _gc
 
     vault = Vault(tmp_path, gc_wait=5)
     (tmp_path / "gc").mkdir()
@@ -841,7 +841,7 @@ def test_a_dead_gc_marker_stops_blocking_saves(tmp_path: Path) -> None:
 
 
 def test_gc_removes_long_dead_temporary_files_everywhere(tmp_path: Path) -> None:
-    from weightvault._vault import gc as _gc
+    from weightvault._vault.upkeep import gc as _gc
 
     vault = Vault(tmp_path)
     vault.save(build(0))

@@ -1,4 +1,4 @@
-"""Decoding through C-Blosc2's library directly (:mod:`weightvault._vault.blosc2_c`).
+"""Decoding through C-Blosc2's library directly (:mod:`weightvault._vault.objects.blosc2_c`).
 
 python-blosc2 is the oracle: it writes every block here, and whatever it decodes, the C
 decoder must decode to the same bytes; whatever it refuses, the C decoder refuses as a
@@ -20,8 +20,8 @@ from hypothesis import given, settings, strategies as st
 
 blosc2 = pytest.importorskip("blosc2")
 
-from weightvault._vault import blosc2_c  # noqa: E402
-from weightvault._vault.codec import CODECS, compress_block, decompress_block  # noqa: E402
+from weightvault._vault.objects import blosc2_c  # noqa: E402
+from weightvault._vault.objects.codec import CODECS, compress_block, decompress_block  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 BLOSC2 = CODECS["blosc2"]
@@ -210,7 +210,7 @@ def test_a_resume_in_a_new_process_decodes_without_importing_python_blosc2(
     run = [sys.executable, str(script), str(tmp_path / "v")]
     subprocess.run([*run, "save"], env=env, check=True, timeout=120)
     from weightvault import Vault
-    from weightvault._vault.frame import MAGIC
+    from weightvault._vault.objects.frame import MAGIC
 
     heads = [p.read_bytes()[:10] for p in (tmp_path / "v" / "objects").rglob("*") if p.is_file()]
     assert sum(h[:8] == MAGIC and h[9] == BLOSC2.id for h in heads) == 2  # both weights

@@ -28,11 +28,11 @@ pytest.importorskip("blosc2")
 
 from torch import nn  # noqa: E402
 
-import weightvault._vault.compact as compact_module  # noqa: E402
+import weightvault._vault.upkeep.compact as compact_module  # noqa: E402
 from _vault_workers import assert_bitwise  # noqa: E402
 from test_vault_crash import worker_env  # noqa: E402
 from weightvault import Vault  # noqa: E402
-from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header  # noqa: E402
+from weightvault._vault.objects.frame import HEADER_SIZE, MAGIC, parse_frame_header  # noqa: E402
 
 # These tests poke objects/ by path: packs have their own (test_vault_packs.py).
 pytestmark = pytest.mark.usefixtures("loose_saves")

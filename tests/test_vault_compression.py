@@ -22,11 +22,11 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-import weightvault._vault.commit as commit_module  # noqa: E402
+import weightvault._vault.writing.commit as commit_module  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import TrainingStateError, Vault  # noqa: E402
-from weightvault._vault.delta import SMALL, Encoder  # noqa: E402
-from weightvault._vault.frame import HEADER_SIZE, MAGIC, parse_frame_header  # noqa: E402
+from weightvault._vault.objects.encoding import SMALL, Encoder  # noqa: E402
+from weightvault._vault.objects.frame import HEADER_SIZE, MAGIC, parse_frame_header  # noqa: E402
 
 # These tests poke objects/ by path: packs have their own (test_vault_packs.py).
 pytestmark = pytest.mark.usefixtures("loose_saves")
@@ -210,7 +210,7 @@ def test_dcp_chunks_stay_raw_and_a_compressed_chunk_still_reads_by_range(
     import torch.distributed.checkpoint as dcp
 
     import weightvault.dcp as wdcp
-    from weightvault._vault.codec import CODECS, DEFAULT
+    from weightvault._vault.objects.codec import CODECS, DEFAULT
 
     model, _ = trained(2, width=128)
     state = {"model": model.state_dict()}
@@ -408,7 +408,7 @@ def test_a_load_leaves_blosc2s_gil_switch_as_it_found_it(
     # setting must come back afterwards, whatever it was.
     import blosc2
 
-    from weightvault._vault import blosc2_c
+    from weightvault._vault.objects import blosc2_c
 
     monkeypatch.setattr(blosc2_c, "_decoder", [None])
 

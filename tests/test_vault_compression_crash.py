@@ -27,7 +27,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import weightvault._vault.gc as gc_module  # noqa: E402
+import weightvault._vault.upkeep.gc as gc_module  # noqa: E402
 from _compression_workers import name_of, state_at, train_step  # noqa: E402
 from _vault_workers import assert_bitwise, snapshot  # noqa: E402
 from test_vault_crash import DyingStore, Killed, age, worker_env  # noqa: E402

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import Vault, WeightvaultError  # noqa: E402
-from weightvault._vault import commit, save as save_steps  # noqa: E402
+from weightvault._vault.writing import commit, save as save_steps  # noqa: E402
 
 # These tests poke objects/ by path: packs have their own (test_vault_packs.py).
 pytestmark = pytest.mark.usefixtures("loose_saves")

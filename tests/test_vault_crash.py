@@ -24,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import weightvault._vault.gc as gc_module  # noqa: E402
+import weightvault._vault.upkeep.gc as gc_module  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import Vault  # noqa: E402
 

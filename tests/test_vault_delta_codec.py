@@ -22,15 +22,15 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from weightvault import FormatError, Vault  # noqa: E402
-from weightvault._vault.codec import (  # noqa: E402
+from weightvault._vault.objects.codec import (  # noqa: E402
     CODECS,
     DELTAS,
     compress_block,
     decompress_block,
     delta_codec,
 )
-from weightvault._vault.delta import encode_delta  # noqa: E402
-from weightvault._vault.frame import HEADER_SIZE, decode_into, parse_frame  # noqa: E402
+from weightvault._vault.objects.encoding import encode_delta  # noqa: E402
+from weightvault._vault.objects.frame import HEADER_SIZE, decode_into, parse_frame  # noqa: E402
 
 N = 1 << 14
 
@@ -255,7 +255,7 @@ def test_a_difference_delta_applies_back_to_the_raw_words(
     """make_delta then apply_delta gives the raw bytes back, from a writable delta (its
     scratch) and a read-only one, for sizes on both sides of apply_delta's slices (65,536
     items) and words at the edges of their range."""
-    from weightvault._vault.diff import DIFFERENCE, apply_delta, make_delta
+    from weightvault._vault.objects.transforms import DIFFERENCE, apply_delta, make_delta
 
     n = data.draw(st.sampled_from([0, 1, 3, (1 << 16) - 1, 1 << 16, (1 << 16) + 5, 200_003]))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))

@@ -27,9 +27,9 @@ from torch import nn  # noqa: E402
 import weightvault  # noqa: E402
 from _vault_workers import assert_bitwise  # noqa: E402
 from weightvault import FormatError, Vault  # noqa: E402
-from weightvault._vault import gc as gc_module  # noqa: E402
-from weightvault._vault.checkpoint import open_record  # noqa: E402
-from weightvault._vault.records import read_doc, record_names  # noqa: E402
+from weightvault._vault.records.checkpoint import open_record  # noqa: E402
+from weightvault._vault.records.record import read_doc, record_names  # noqa: E402
+from weightvault._vault.upkeep import gc as gc_module  # noqa: E402
 
 #: No thread is waited on longer than this (seconds).
 BOUND = 60
@@ -184,7 +184,8 @@ def test_a_retain_after_every_save_reads_only_the_new_records_whole(
 ) -> None:
     """The integrations call ``retain(training_state_last=N)`` after every save: it read
     every record whole, twice, each time (37-68 ms a save after 300 checkpoints)."""
-    from weightvault._vault import records as records_module, retain as retain_module
+    from weightvault._vault.records import record as records_module
+    from weightvault._vault.upkeep import retain as retain_module
 
     whole: list[str] = []
 

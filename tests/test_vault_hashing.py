@@ -23,7 +23,7 @@ import xxhash  # noqa: E402
 from torch import nn  # noqa: E402
 
 import weightvault  # noqa: E402
-import weightvault._vault.save as save_module  # noqa: E402
+import weightvault._vault.writing.save as save_module  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import Vault  # noqa: E402
 

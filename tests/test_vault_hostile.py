@@ -28,8 +28,8 @@ from _records import read as read_record, seal  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import CheckpointNameError, FormatError, Vault, WeightvaultError  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
-from weightvault._vault import gc as _gc  # noqa: E402
-from weightvault._vault.store import check_key  # noqa: E402
+from weightvault._vault.store.backend import check_key  # noqa: E402
+from weightvault._vault.upkeep import gc as _gc  # noqa: E402
 
 # These tests poke objects/ by path: packs have their own (test_vault_packs.py).
 pytestmark = pytest.mark.usefixtures("loose_saves")
@@ -166,7 +166,7 @@ def test_the_records_are_listed_as_a_full_listing_sees_them(tmp_path: Path) -> N
     """Records are listed with one scandir, no walk and no stat per file (2.9 against 0.2
     ms for 300 records, every save and resume); it must see what the walk sees (the
     oracle: ``Store.list``, through the base class's ``children``)."""
-    from weightvault._vault.store import Store
+    from weightvault._vault.store.backend import Store
 
     vault = Vault(tmp_path)
     vault.save(build(1, width=16))

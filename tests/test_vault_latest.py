@@ -23,14 +23,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _records import read as read_record, seal
 from weightvault import CheckpointNotFoundError, FormatError, Vault
-from weightvault._vault.records import (
+from weightvault._vault.records.record import (
     creation_order,
     head_fields,
     list_records,
     record_key,
     resolve,
 )
-from weightvault._vault.store import LocalStore
+from weightvault._vault.store.backend import LocalStore
 
 
 def _vault(root: Path, n: int) -> Vault:

@@ -18,7 +18,7 @@ import weightvault  # noqa: E402
 import weightvault.torch as wv  # noqa: E402
 from _records import read, rewrite  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
-from weightvault._vault import marks as marks_module  # noqa: E402
+from weightvault._vault.records import marks as marks_module  # noqa: E402
 
 
 def model() -> nn.Module:

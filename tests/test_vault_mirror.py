@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 from _transfer_workers import check_loads, state, step, train  # noqa: E402
 from weightvault import Vault  # noqa: E402
-from weightvault._vault.compact import pending  # noqa: E402
-from weightvault._vault.mirror import Mirror  # noqa: E402
+from weightvault._vault.travel.mirror import Mirror  # noqa: E402
+from weightvault._vault.upkeep.compact import pending  # noqa: E402
 
 
 def test_each_checkpoint_reaches_the_mirror_and_local_retention_never_deletes_there(

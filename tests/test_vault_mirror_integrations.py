@@ -160,7 +160,7 @@ def test_lightning_save_top_k_deletes_locally_only(
     """``save_top_k=1`` removes the previous checkpoint through the plugin after each save;
     the mirror, which never deletes, still gets each one, even when pushing a checkpoint
     takes longer than an epoch (as to S3 it often does)."""
-    import weightvault._vault.mirror as mirror_module
+    import weightvault._vault.travel.mirror as mirror_module
     from weightvault.integrations.lightning import VaultCheckpointIO
 
     removed = threading.Event()

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from weightvault import ChecksumError, TrainingStateError, Vault  # noqa: E402
-from weightvault._vault.records import read_sealed  # noqa: E402
+from weightvault._vault.records.record import read_sealed  # noqa: E402
 
 FIXTURE = Path(__file__).with_name("fixtures") / "legacy_vault"
 EXPECTED = json.loads(FIXTURE.with_name("legacy_vault.expected.json").read_text())

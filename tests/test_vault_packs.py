@@ -26,11 +26,11 @@ import weightvault.numpy as wvn  # noqa: E402
 from _dcp_s3 import moto_s3  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import FormatError, Vault  # noqa: E402
-from weightvault._vault import pack as P  # noqa: E402
-from weightvault._vault.gc import collect  # noqa: E402
-from weightvault._vault.objects import content_hash  # noqa: E402
-from weightvault._vault.store import LocalStore  # noqa: E402
-from weightvault._vault.usage import vault_usage  # noqa: E402
+from weightvault._vault.objects.access import content_hash  # noqa: E402
+from weightvault._vault.records.usage import vault_usage  # noqa: E402
+from weightvault._vault.store import pack as P  # noqa: E402
+from weightvault._vault.store.backend import LocalStore  # noqa: E402
+from weightvault._vault.upkeep.gc import collect  # noqa: E402
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -223,7 +223,7 @@ def test_a_compaction_reads_the_newest_records_whole_not_every_one(
 ) -> None:
     """Taking packs apart once read every record whole (0.6 s a pass after 150 saves of
     a 70-tensor model); the records it reads must not grow with the run."""
-    from weightvault._vault import compact as C
+    from weightvault._vault.upkeep import compact as C
 
     reads: list[str] = []
     real = C._Records._read
@@ -461,7 +461,7 @@ def test_an_s3_save_writes_one_object_for_its_tensors(
 
 
 def test_old_temporary_pack_files_are_removed_by_gc(tmp_path: Path) -> None:
-    from weightvault._vault import gc as _gc
+    from weightvault._vault.upkeep import gc as _gc
 
     vault = Vault(tmp_path, compaction=None)
     vault.save(arrays(0))
@@ -518,7 +518,7 @@ def _digests(vault: Vault, name: str) -> dict[str, str]:
 def test_prefetch_reads_each_pack_once_for_all_its_objects(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from weightvault._vault.objects import prefetch
+    from weightvault._vault.objects.access import prefetch
 
     vault = Vault(tmp_path, compaction=None)
     want = arrays(9)
@@ -585,7 +585,7 @@ def test_an_object_another_writer_stored_meanwhile_is_a_harmless_second_copy_unt
 def test_a_save_that_fails_after_hashing_leaves_no_pack_and_no_temporary_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from weightvault._vault import commit
+    from weightvault._vault.writing import commit
 
     vault = Vault(tmp_path, compaction=None)
     vault.save(arrays(0))
@@ -595,7 +595,7 @@ def test_a_save_that_fails_after_hashing_leaves_no_pack_and_no_temporary_file(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(commit, "commit_record", full)
-    monkeypatch.setattr("weightvault._vault.save.commit_record", full)
+    monkeypatch.setattr("weightvault._vault.writing.save.commit_record", full)
     with pytest.raises(OSError, match="No space"):
         vault.save(arrays(3))
     assert temp_files(tmp_path) == []

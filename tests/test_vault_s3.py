@@ -167,7 +167,7 @@ def test_auto_names_retry_on_s3_when_the_next_name_is_taken(
     vault = Vault(f"s3://{bucket}/run", **options)
     first = build(1, width=32)
     vault.save(first)
-    from weightvault._vault import commit
+    from weightvault._vault.writing import commit
 
     real = commit.next_name
     picks: list[str] = []

@@ -32,20 +32,14 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from _records import read as read_record, rewrite as rewrite_record  # noqa: E402
-from weightvault import (  # noqa: E402
-    ChecksumError,
-    FormatError,
-    TrainingStateError,
-    Vault,
-    WeightvaultError,
-)
+from weightvault import ChecksumError, FormatError, TrainingStateError, Vault, WeightvaultError  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
-from weightvault._vault.commit import begin  # noqa: E402
-from weightvault._vault.intents import encode_intent, parse_intent  # noqa: E402
-from weightvault._vault.pack import check_pack  # noqa: E402
-from weightvault._vault.records import read_sealed  # noqa: E402
-from weightvault._vault.store import open_store  # noqa: E402
-from weightvault._vault.verify import VaultVerifyReport, verify_vault  # noqa: E402
+from weightvault._vault.records.intents import encode_intent, parse_intent  # noqa: E402
+from weightvault._vault.records.record import read_sealed  # noqa: E402
+from weightvault._vault.store.backend import open_store  # noqa: E402
+from weightvault._vault.store.pack import check_pack  # noqa: E402
+from weightvault._vault.upkeep.verify import VaultVerifyReport, verify_vault  # noqa: E402
+from weightvault._vault.writing.commit import begin  # noqa: E402
 
 FRAME_MAGIC = b"\x89WVO\r\n\x1a\n"
 

@@ -15,10 +15,10 @@ pytest.importorskip("numpy")
 from torch import nn  # noqa: E402
 
 from weightvault import Vault  # noqa: E402
-from weightvault._vault.codec import CODECS, DEFAULT  # noqa: E402
-from weightvault._vault.delta import PAYS, SHARED_PAYS, encode_full, size_of  # noqa: E402
-from weightvault._vault.frame import HEADER_SIZE, is_frame, parse_frame_header  # noqa: E402
-from weightvault._vault.objects import object_file  # noqa: E402
+from weightvault._vault.objects.access import object_file  # noqa: E402
+from weightvault._vault.objects.codec import CODECS, DEFAULT  # noqa: E402
+from weightvault._vault.objects.encoding import PAYS, SHARED_PAYS, encode_full, size_of  # noqa: E402
+from weightvault._vault.objects.frame import HEADER_SIZE, is_frame, parse_frame_header  # noqa: E402
 
 N = 1 << 15  # floats per weight: several blocks, well over SMALL
 
@@ -106,7 +106,7 @@ def test_a_frozen_weight_stays_raw_from_the_first_checkpoint(
 def test_a_shared_raw_weight_is_not_compressed_again_by_every_compaction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import weightvault._vault.compact as compact_module
+    import weightvault._vault.upkeep.compact as compact_module
 
     net = Net()
     backbone = net.backbone.detach().numpy().tobytes()

@@ -27,9 +27,9 @@ from weightvault import (  # noqa: E402
     Vault,
     VaultNotFoundError,
 )
-from weightvault._vault import transfer as transfer_module  # noqa: E402
-from weightvault._vault.gc import collect  # noqa: E402
-from weightvault._vault.objects import object_key  # noqa: E402
+from weightvault._vault.objects.access import object_key  # noqa: E402
+from weightvault._vault.travel import transfer as transfer_module  # noqa: E402
+from weightvault._vault.upkeep.gc import collect  # noqa: E402
 
 WORKER = Path(__file__).with_name("_transfer_workers.py")
 

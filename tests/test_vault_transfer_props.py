@@ -5,7 +5,7 @@ tied to one array, some copies, several dtypes), compacted at random points so t
 source holds raw objects, compressed ones and deltas, then random subsets of names
 pushed twice each. The receiver must end with exactly the names pushed, each loading the
 arrays that were saved, and every report must account for the objects the receiver
-lacked (see the report's fields in ``weightvault._vault.transfer``).
+lacked (see the report's fields in ``weightvault._vault.travel.transfer``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 import weightvault.numpy as wvn  # noqa: E402
 from weightvault import Vault  # noqa: E402
-from weightvault._vault.objects import object_file, object_key  # noqa: E402
-from weightvault._vault.pack import read_index  # noqa: E402
+from weightvault._vault.objects.access import object_file, object_key  # noqa: E402
+from weightvault._vault.store.pack import read_index  # noqa: E402
 
 DTYPES = ["float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"]
 

@@ -20,11 +20,11 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import weightvault._base.atomic as atomic  # noqa: E402
-import weightvault._vault.delta as delta_module  # noqa: E402
+import weightvault._vault.objects.encoding as delta_module  # noqa: E402
 from weightvault import Vault  # noqa: E402
-from weightvault._vault.codec import CODECS  # noqa: E402
-from weightvault._vault.delta import delta_wins  # noqa: E402
-from weightvault._vault.store import LocalStore  # noqa: E402
+from weightvault._vault.objects.codec import CODECS  # noqa: E402
+from weightvault._vault.objects.encoding import delta_wins  # noqa: E402
+from weightvault._vault.store.backend import LocalStore  # noqa: E402
 
 # These tests poke objects/ by path: packs have their own (test_vault_packs.py).
 pytestmark = pytest.mark.usefixtures("loose_saves")
@@ -105,7 +105,7 @@ def test_a_failed_publish_leaves_no_object_and_no_temporary_file(
     def boom(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk gone")
 
-    monkeypatch.setattr("weightvault._vault.store.sync_paths", boom)
+    monkeypatch.setattr("weightvault._vault.store.backend.sync_paths", boom)
     with pytest.raises(OSError, match="disk gone"):
         store.publish(staged)
     assert temp_files(tmp_path) == []
@@ -151,7 +151,7 @@ def test_a_save_only_hashes_and_writes_raw_bytes(
 ) -> None:
     """The synchronous part of a save compresses nothing and reads no frame back: it
     hashes, writes raw objects and commits (issue 27); the compactor does the rest."""
-    import weightvault._vault.frame as frame_module
+    import weightvault._vault.objects.frame as frame_module
 
     vault = Vault(tmp_path / "v", compaction=None)
     m = model()

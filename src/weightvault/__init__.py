@@ -16,7 +16,6 @@ files; each framework has its own module with the same verbs (``weightvault.torc
 
 from __future__ import annotations
 
-from ._base.background import SaveHandle
 from ._base.errors import (
     BackendNotInstalled,
     CheckpointExistsError,
@@ -47,13 +46,14 @@ from ._base.errors import (
     WeightvaultError,
 )
 from ._base.reports import LoadReport, OptimizerReport, SaveReport
+from ._base.snapshots import SaveHandle
 from ._file.checkpoint import Checkpoint
 from ._tools.convert import convert
 from ._tools.inspect import DiffReport, Inspection, VerifyReport, diff, inspect, verify
-from ._vault.records import CheckpointRecord
-from ._vault.transfer import TransferReport
+from ._vault.records.record import CheckpointRecord
+from ._vault.travel.transfer import TransferReport
+from ._vault.upkeep.verify import VaultVerifyReport
 from ._vault.vault import Vault
-from ._vault.verify import VaultVerifyReport
 
 __version__ = "0.1.0"
 

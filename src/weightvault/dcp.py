@@ -56,14 +56,14 @@ from ._base.errors import (
     UnstorableValueError,
     capped,
 )
-from ._dcp.background import async_group, start
+from ._dcp.async_save import async_group, start
 from ._dcp.index import VaultLoadPlanner
 from ._dcp.peers import broken, vote
 from ._dcp.planner import VaultSavePlanner
 from ._dcp.reader import ReadStats, SharingReader, VaultReader
 from ._dcp.resume import Flags, apply_flags, fqn, install_state, optimizer_template
 from ._dcp.writer import VaultWriter
-from ._vault.records import CheckpointRecord, record_key
+from ._vault.records.record import CheckpointRecord, record_key
 from ._vault.vault import Vault, VaultLike, as_vault
 
 __all__ = [

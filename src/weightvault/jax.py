@@ -44,10 +44,7 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from ._base.errors import (
-    BackendNotInstalled,
-    UnsupportedDtypeError as UnsupportedDtypeError,
-)
+from ._base.errors import BackendNotInstalled, UnsupportedDtypeError as UnsupportedDtypeError
 
 try:
     import jax

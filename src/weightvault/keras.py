@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from ._base.background import SaveHandle, SnapshotPool
 from ._base.errors import BackendNotInstalled, UnsupportedValueError, capped
+from ._base.snapshots import SaveHandle, SnapshotPool
 
 try:
     import keras

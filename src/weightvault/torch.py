@@ -27,8 +27,8 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
         "weightvault.torch needs PyTorch: pip install 'weightvault[torch]'"
     ) from e
 
-from ._base.background import SaveHandle, SnapshotPool
 from ._base.reports import LoadReport, SaveReport
+from ._base.snapshots import SaveHandle, SnapshotPool
 from ._base.types import PathLike
 from ._file.checkpoint import CheckpointSource
 from ._file.sharing import Source

@@ -102,7 +102,7 @@ def write_temp(path: str, data: bytes | memoryview | Sequence[bytes | memoryview
 
     The first half of a batched atomic write: many files are written this way, made
     durable at once by :func:`sync_paths`, and only then renamed into place (see
-    :meth:`weightvault._vault.store.LocalStore.publish`). On error nothing is left behind.
+    :meth:`weightvault._vault.store.backend.LocalStore.publish`). On error nothing is left behind.
     """
     fd, tmp = _temp_beside(path)
     try:

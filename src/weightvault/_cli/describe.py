@@ -16,7 +16,7 @@ from .._base.progress import human
 from .._file.checkpoint import Checkpoint
 from .._file.layout import OPTIM_PREFIX, RNG_PREFIX, is_training
 from .._tools.inspect import Inspection, inspect
-from .._vault.dcp_record import DcpCheckpoint
+from .._vault.records.dcp import DcpCheckpoint
 from .common import print_json, table
 
 #: How the first line of ``inspect`` names a file a foreign reader decoded.

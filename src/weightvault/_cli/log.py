@@ -1,7 +1,7 @@
 """``weightvault vault ROOT log``'s figures: each checkpoint's raw bytes against what its
 save wrote on disk, the footnotes that explain a derived figure, and the vault's total.
 
-The figures come from :mod:`.._vault.usage`; this module only words them.
+The figures come from :mod:`.._vault.records.usage`; this module only words them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .._base.progress import human
-from .._vault.usage import CheckpointUsage, VaultUsage
+from .._vault.records.usage import CheckpointUsage, VaultUsage
 
 #: Marks an on-disk size derived from ``new_bytes`` (the record does not hold it).
 DERIVED = "*"

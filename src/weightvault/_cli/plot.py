@@ -4,7 +4,7 @@ The top panel draws cumulative bytes after each checkpoint: the checkpoints as s
 files (their raw bytes), the vault's new objects uncompressed (what deduplication alone
 saves), and what the vault wrote on disk (compressed objects and deltas). The bottom
 panel draws each checkpoint's raw bytes beside what its save wrote. The figures are
-those of the records (:mod:`.._vault.usage`): what each save wrote, including objects a
+those of the records (:mod:`.._vault.records.usage`): what each save wrote, including objects a
 gc freed since.
 
 The x axis is the training step when every checkpoint records one in its metadata
@@ -21,8 +21,8 @@ from typing import Any
 
 from .._base.errors import BackendNotInstalled
 from .._base.progress import human
-from .._vault.records import CheckpointRecord
-from .._vault.usage import vault_usage
+from .._vault.records.record import CheckpointRecord
+from .._vault.records.usage import vault_usage
 from .._vault.vault import Vault
 
 #: Metadata keys that hold a checkpoint's training step, tried in this order.

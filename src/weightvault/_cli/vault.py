@@ -11,10 +11,10 @@ from typing import Any, TextIO
 from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
-from .._vault.records import LABELS
-from .._vault.store import open_store
-from .._vault.transfer import TransferReport
-from .._vault.usage import vault_usage
+from .._vault.records.record import LABELS
+from .._vault.records.usage import vault_usage
+from .._vault.store.backend import open_store
+from .._vault.travel.transfer import TransferReport
 from .._vault.vault import Vault
 from .common import (
     EXIT_FAILED,
@@ -168,7 +168,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     from .._base.errors import ChecksumError
-    from .._vault.verify import verify_vault
+    from .._vault.upkeep.verify import verify_vault
 
     try:
         vault: Vault | None = _vault(args)

@@ -1,6 +1,6 @@
 """A DCP checkpoint's chunks as DCP's load planner asks for them.
 
-The record (an index, :mod:`weightvault._vault.dcp_layout`) says every tensor's dtype,
+The record (an index, :mod:`weightvault._vault.records.dcp_layout`) says every tensor's dtype,
 shape and chunk boxes, but a gridded tensor's objects are in per-rank chunk tables. So
 :class:`ChunkIndex` builds DCP's ``Metadata`` with empty chunk lists, fills each list
 only when asked (for a loading rank's own shards where the planner says which, for every
@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from .._base.errors import FormatError
 from .._torch.tensors import DTYPES
-from .._vault.dcp_layout import Chunk, Layout, TensorLayout, grid_chunk
-from .._vault.dcp_record import read_tables
-from .._vault.store import Store
+from .._vault.records.dcp import read_tables
+from .._vault.records.dcp_layout import Chunk, Layout, TensorLayout, grid_chunk
+from .._vault.store.backend import Store
 from .values import Value, from_record
 
 __all__ = ["Box", "ChunkIndex", "VaultLoadPlanner", "local_boxes"]

@@ -25,10 +25,10 @@ from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
 from .._file.checkpoint import read_fully
 from .._torch.tensors import DTYPES
-from .._vault.dcp_layout import Chunk
-from .._vault.frame import HEADER_SIZE, is_frame
-from .._vault.objects import content_hash, locations, read_range
-from .._vault.store import Store
+from .._vault.objects.access import content_hash, locations, read_range
+from .._vault.objects.frame import HEADER_SIZE, is_frame
+from .._vault.records.dcp_layout import Chunk
+from .._vault.store.backend import Store
 
 __all__ = ["Span", "host_bytes", "read_box", "read_into", "span"]
 
@@ -103,7 +103,7 @@ def read_into(store: Store, digest: str, start: int, out: memoryview, name: str)
         finally:
             os.close(fd)
         return
-    # Not loose anywhere: a pack may hold it (a save's small objects, see _vault.pack).
+    # Not loose anywhere: a pack may hold it (a save's small objects, see _vault.store.pack).
     data = read_range(store, digest, start, start + out.nbytes)
     if len(data) != out.nbytes:
         raise FormatError(f"{store.url}: tensor {name!r}: the object ended before its bytes did")

@@ -1,7 +1,7 @@
 """The commit record of a DCP save: built on the coordinator from every rank's results.
 
 Each rank reports, per chunk, a :class:`Written`: the chunk's object, and the chunk table
-(:mod:`weightvault._vault.dcp_layout`) it wrote for its partial chunks. The coordinator
+(:mod:`weightvault._vault.records.dcp_layout`) it wrote for its partial chunks. The coordinator
 turns DCP's global metadata and those reports into the record: the index of every tensor
 (a grid pointing at the tables, or inline chunks), the values, the ties, and the plain
 safetensors header a single process loads the model with.
@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
 from .._torch.tensors import NAMES
-from .._vault.dcp_layout import LAYOUT_VERSION, Chunk, encode_tensor
-from .._vault.dcp_record import KIND, ChunkedTensor, model_header
-from .._vault.records import VERSION
+from .._vault.records.dcp import KIND, ChunkedTensor, model_header
+from .._vault.records.dcp_layout import LAYOUT_VERSION, Chunk, encode_tensor
+from .._vault.records.record import VERSION
 from .values import Value
 
 __all__ = ["Written", "record_doc"]

@@ -1,6 +1,6 @@
 """A DCP ``StorageWriter`` that keeps each chunk as a content-addressed vault object.
 
-It follows the vault's one commit protocol (:mod:`weightvault._vault.commit`) across
+It follows the vault's one commit protocol (:mod:`weightvault._vault.writing.commit`) across
 ranks: every rank registers an intent for its chunks, waits for gc and stores the chunks
 the vault lacks, durably, in ``write_data``; DCP runs ``finish`` on the coordinator only
 after every rank succeeded, and it commits one record, then drops every rank's intent.
@@ -23,12 +23,12 @@ from torch.futures import Future
 
 from .._base.errors import CollectivesRequiredError
 from .._torch.tensors import tensor_bytes
-from .._vault.commit import Data, begin, commit_record, release, store_missing
-from .._vault.dcp_layout import encode_table
-from .._vault.delta import Encoder
-from .._vault.objects import content_hash
-from .._vault.records import CheckpointRecord, check_free, parse_record
+from .._vault.objects.access import content_hash
+from .._vault.objects.encoding import Encoder
+from .._vault.records.dcp_layout import encode_table
+from .._vault.records.record import CheckpointRecord, check_free, parse_record
 from .._vault.vault import VaultLike, as_vault
+from .._vault.writing.commit import Data, begin, commit_record, release, store_missing
 from .planner import VaultSavePlanner
 from .record import Written, record_doc
 from .staging import wave_bytes

@@ -207,7 +207,7 @@ class Checkpoint:
 
         Here every stored tensor is reached once; a vault checkpoint decodes and checks its
         objects within a memory budget instead
-        (:meth:`weightvault._vault.checkpoint.VaultCheckpoint.stage`).
+        (:meth:`weightvault._vault.records.checkpoint.VaultCheckpoint.stage`).
 
         Raises:
             FormatError: A stored tensor cannot be read.

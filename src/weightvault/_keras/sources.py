@@ -13,8 +13,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from .._base.background import SnapshotPool
 from .._base.dtypes import ITEMSIZE, numpy_dtype
+from .._base.snapshots import SnapshotPool
 from .._file.arrays import array_bytes
 from .._file.sharing import Source
 from . import state as _keras_state

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._base.background import SnapshotPool
 from .._base.dtypes import unsupported
+from .._base.snapshots import SnapshotPool
 from .._file.arrays import dtype_name
 from .._file.sharing import Source
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._base.background import SnapshotPool
 from .._base.errors import UnsupportedValueError
+from .._base.snapshots import SnapshotPool
 from .._file.sharing import Source
 from .tensors import layout_identity, tensor_source
 from .wrappers import unwrap

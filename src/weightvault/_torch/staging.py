@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._base.background import SnapshotPool
+from .._base.snapshots import SnapshotPool
 
 __all__ = ["guard", "wait_staged"]
 

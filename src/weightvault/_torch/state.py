@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .. import _training
-from .._base.background import SnapshotPool
 from .._base.errors import TrainingStateError
 from .._base.pools import LazyPool
+from .._base.snapshots import SnapshotPool
 from .._file import layout
 from .._file.checkpoint import Checkpoint
 from .._file.layout import RNG_PREFIX

@@ -17,10 +17,7 @@ from typing import Any
 import torch
 
 from .._base.dtypes import FRAMEWORK_NAMES, unsupported
-from .._base.errors import (
-    UnsupportedDtypeError as UnsupportedDtypeError,
-    UnsupportedValueError,
-)
+from .._base.errors import UnsupportedDtypeError as UnsupportedDtypeError, UnsupportedValueError
 from .._file.checkpoint import Checkpoint, Entry
 from .._file.sharing import Source
 

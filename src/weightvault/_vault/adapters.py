@@ -26,7 +26,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
-from .._base.background import SnapshotPool
+from .._base.snapshots import SnapshotPool
 from .._file.sharing import Source
 
 __all__ = ["ADAPTERS", "Adapter", "adapter_for"]

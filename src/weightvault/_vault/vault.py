@@ -27,25 +27,21 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._base.background import SaveHandle, SnapshotPool
 from .._base.errors import FormatError
 from .._base.pools import LazyPool
 from .._base.progress import Progress as Bar
+from .._base.snapshots import SaveHandle, SnapshotPool
 from .._file.checkpoint import Checkpoint
 from .._file.layout import is_training
 from .._file.sharing import Source
 from .._file.writer import check_names
 from .._tools.convert import rewrite
 from .adapters import Adapter, adapter_for
-from .background import Compactor
-from .checkpoint import VaultCheckpoint, open_record
-from .codec import DEFAULT, codec_named
-from .compact import CompactReport, compact
-from .dcp_record import DcpCheckpoint
-from .delta import DELTA_CHAIN, Storage
-from .gc import break_gc_lock, collect
-from .marker import create_vault, holds_vault, require_vault
-from .marks import (
+from .objects.codec import DEFAULT, codec_named
+from .objects.encoding import DELTA_CHAIN, Storage
+from .records.checkpoint import VaultCheckpoint, open_record
+from .records.dcp import DcpCheckpoint
+from .records.marks import (
     carry_marks,
     mark as put_mark,
     marks as find_marks,
@@ -53,20 +49,18 @@ from .marks import (
     resolve_label,
     unmark as take_mark,
 )
-from .records import (
-    CheckpointRecord,
-    check_free,
-    delete_record,
-    list_records,
-    read_doc,
-)
-from .retain import Split, drop_training_except_last
-from .save import Checksums, Progress, save_sources
-from .store import open_store
-from .todo import mark
-from .transfer import TransferReport, transfer
-from .verify import VaultVerifyReport, verify_vault
+from .records.record import CheckpointRecord, check_free, delete_record, list_records, read_doc
+from .records.todo import mark
+from .store.backend import open_store
+from .store.identity import create_vault, holds_vault, require_vault
+from .travel.transfer import TransferReport, transfer
+from .upkeep.compact import CompactReport, compact
+from .upkeep.compactor import Compactor
+from .upkeep.gc import break_gc_lock, collect
+from .upkeep.retain import Split, drop_training_except_last
+from .upkeep.verify import VaultVerifyReport, verify_vault
 from .walk import walk, walk_order
+from .writing.save import Checksums, Progress, save_sources
 
 __all__ = ["GC_PACE", "Vault", "VaultLike", "as_vault"]
 

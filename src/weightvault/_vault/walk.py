@@ -26,10 +26,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from .._file.checkpoint import Checkpoint
-from .checkpoint import VaultCheckpoint
-from .marks import resolve_label
-from .records import creation_order, read_doc, record_key
-from .store import Store
+from .records.checkpoint import VaultCheckpoint
+from .records.marks import resolve_label
+from .records.record import creation_order, read_doc, record_key
+from .store.backend import Store
 
 __all__ = ["Walked", "unchanged_between", "walk", "walk_order"]
 

@@ -22,8 +22,8 @@ import logging
 from collections.abc import Sequence
 
 from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
-from .._vault.mirror import Mirror
-from .._vault.records import creation_order
+from .._vault.records.record import creation_order
+from .._vault.travel.mirror import Mirror
 from .._vault.vault import GC_PACE, Vault, VaultLike
 
 _log = logging.getLogger("weightvault")
@@ -88,7 +88,7 @@ def trim(vault: Vault, *, keep_last: int | None, training_state_last: int | None
 
 
 def mirror_for(vault: Vault, mirror: VaultLike | None) -> Mirror | None:
-    """The :class:`~weightvault._vault.mirror.Mirror` a loop's ``mirror=`` asks for, if any.
+    """The :class:`~weightvault._vault.travel.mirror.Mirror` a loop's ``mirror=`` asks for, if any.
 
     Every integration pushes each checkpoint once it has committed locally
     (``after_save``), in the mirror's own thread, and waits for the last push when

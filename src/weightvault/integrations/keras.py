@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from .._base.errors import TrainingStateError, VaultNotFoundError
-from .._vault.codec import preload
-from .._vault.records import CheckpointRecord
+from .._vault.objects.codec import preload
+from .._vault.records.record import CheckpointRecord
 from .._vault.vault import Vault, VaultLike, as_vault
 from ._common import mirror_for, settle, trim
 

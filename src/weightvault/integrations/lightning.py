@@ -20,7 +20,7 @@ import sys
 from pathlib import PurePath
 from typing import Any
 
-from .._vault.codec import preload
+from .._vault.objects.codec import preload
 from ._common import discard, mirror_for, not_installed, settle
 
 try:
@@ -31,8 +31,8 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
 
 from .._base.errors import DistributedCheckpointError, TrainingStateError
 from .._training import codec as _codec
-from .._vault.checkpoint import VaultCheckpoint
-from .._vault.retain import drop_training_except_last
+from .._vault.records.checkpoint import VaultCheckpoint
+from .._vault.upkeep.retain import drop_training_except_last
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file
 from ._ranks import announce, announced, rank, world_size

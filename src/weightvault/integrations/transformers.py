@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .._vault.codec import preload
+from .._vault.objects.codec import preload
 from ._common import (
     BEST,
     best_name,
@@ -55,7 +55,7 @@ from .._base.errors import TrainingStateError, UnsupportedValueError
 from .._file.checkpoint import Checkpoint
 from .._torch.tensors import stored_tensor
 from .._training import codec as _codec
-from .._vault.dcp_record import DcpCheckpoint
+from .._vault.records.dcp import DcpCheckpoint
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
 from ._best import FIX, STATE_KEY, Due, SavePoints, check_best, rng_as, trainer_callbacks

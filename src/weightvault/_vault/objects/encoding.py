@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._base.errors import FormatError
+from ..._base.errors import FormatError
+from ..store.backend import Store
+from ..store.pack import find, pack_key
+from .access import object_key
 from .codec import DELTAS, STORED, Codec, compress_block, delta_codec
-from .diff import delta_kind, make_delta
 from .frame import encode_frame, is_frame
-from .objects import object_key
-from .pack import find, pack_key
-from .store import Store
+from .transforms import delta_kind, make_delta
 
 __all__ = [
     "DELTA_CHAIN",

@@ -33,9 +33,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from .._base.dtypes import ITEMSIZE, numel
-from .._base.errors import FormatError
-from .objects import DIGEST
+from ..._base.dtypes import ITEMSIZE, numel
+from ..._base.errors import FormatError
+from ..objects.access import DIGEST
 
 __all__ = [
     "LAYOUT_VERSION",

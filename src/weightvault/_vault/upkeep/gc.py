@@ -35,11 +35,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
-from .._file.header import METADATA_KEY
-from .checkpoint import check_objects, open_record, record_objects
-from .intents import read_intent
-from .objects import (
+from ..._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
+from ..._file.header import METADATA_KEY
+from ..objects.access import (
     DIGEST,
     content_hash,
     is_temp,
@@ -48,10 +46,12 @@ from .objects import (
     with_bases,
     write_loose,
 )
-from .pack import PACKS, Packed, is_pack, pack_key, pack_table, read_index
-from .records import read_doc, record_key, record_names
-from .store import Blob, Store
-from .todo import held_packs, pending
+from ..records.checkpoint import check_objects, open_record, record_objects
+from ..records.intents import read_intent
+from ..records.record import read_doc, record_key, record_names
+from ..records.todo import held_packs, pending
+from ..store.backend import Blob, Store
+from ..store.pack import PACKS, Packed, is_pack, pack_key, pack_table, read_index
 
 __all__ = [
     "GC_HEARTBEAT_SECONDS",

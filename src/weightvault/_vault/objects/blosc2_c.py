@@ -19,7 +19,7 @@ returning ``None``, and :mod:`.codec` decodes through python-blosc2 as before.
 Compression always goes through python-blosc2: it runs in the compactor, after a save.
 
 Example:
-    >>> from weightvault._vault.blosc2_c import decoder
+    >>> from weightvault._vault.objects.blosc2_c import decoder
     >>> d = decoder()
     >>> d is None or d.sizes(_PROBE) == (len(_PROBE_RAW), len(_PROBE))
     True

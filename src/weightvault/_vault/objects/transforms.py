@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._base.errors import FormatError
+from ..._base.errors import FormatError
 
 __all__ = ["DIFFERENCE", "KINDS", "XOR", "apply_delta", "delta_kind", "make_delta"]
 

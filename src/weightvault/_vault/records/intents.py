@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from .._base.errors import FormatError
-from .seal import seal_json, unseal
+from ..._base.errors import FormatError
+from ..store.seal import seal_json, unseal
 
 __all__ = ["INTENT_VERSION", "encode_intent", "parse_intent", "read_intent"]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .._base.errors import ChecksumError, FormatError, VaultNotFoundError, capped
+from ..._base.errors import ChecksumError, FormatError, VaultNotFoundError, capped
+from .backend import Store
 from .seal import SUM, seal_json, unseal
-from .store import Store
 
 __all__ = [
     "FORMAT",

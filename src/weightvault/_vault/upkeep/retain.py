@@ -30,15 +30,15 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from .._base.errors import CheckpointNotFoundError
-from .._file.header import TensorInfo, encode_header
-from .._file.layout import is_training
-from .._file.manifest import MANIFEST_KEY, Manifest
-from .checkpoint import VaultCheckpoint
-from .dcp_record import KIND as DCP, DcpCheckpoint
-from .records import creation_order, read_doc, rewrite_record
-from .store import Store
-from .todo import mark
+from ..._base.errors import CheckpointNotFoundError
+from ..._file.header import TensorInfo, encode_header
+from ..._file.layout import is_training
+from ..._file.manifest import MANIFEST_KEY, Manifest
+from ..records.checkpoint import VaultCheckpoint
+from ..records.dcp import KIND as DCP, DcpCheckpoint
+from ..records.record import creation_order, read_doc, rewrite_record
+from ..records.todo import mark
+from ..store.backend import Store
 
 __all__ = ["Split", "drop_training", "drop_training_except_last", "weights_only_manifest"]
 

@@ -33,18 +33,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from .._base.errors import CheckpointExistsError
-from .._base.pools import LazyPool
-from . import pack as _pack
-from .codec import CODECS, DEFAULT
-from .delta import Encoder, stored_depth
-from .gc import wait_for_gc
-from .intents import encode_intent
-from .marker import create_vault, upgrade_vault
-from .objects import object_key
-from .pack import PackWriter, pack_groups, pack_parts, pack_table
-from .records import encode_record, next_name, record_key
-from .store import Store
+from ..._base.errors import CheckpointExistsError
+from ..._base.pools import LazyPool
+from ..objects.access import object_key
+from ..objects.codec import CODECS, DEFAULT
+from ..objects.encoding import Encoder, stored_depth
+from ..records.intents import encode_intent
+from ..records.record import encode_record, next_name, record_key
+from ..store import pack as _pack
+from ..store.backend import Store
+from ..store.identity import create_vault, upgrade_vault
+from ..store.pack import PackWriter, pack_groups, pack_parts, pack_table
+from ..upkeep.gc import wait_for_gc
 
 __all__ = [
     "WORKERS",

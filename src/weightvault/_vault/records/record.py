@@ -25,17 +25,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._base.errors import (
+from ..._base.errors import (
     CheckpointExistsError,
     CheckpointNameError,
     CheckpointNotFoundError,
     FormatError,
     capped,
 )
-from .._file.header import Header, parse_header
-from .._file.manifest import Manifest, read_manifest
-from .seal import seal_json, unseal
-from .store import Store
+from ..._file.header import Header, parse_header
+from ..._file.manifest import Manifest, read_manifest
+from ..store.backend import Store
+from ..store.seal import seal_json, unseal
 
 __all__ = [
     "LABELS",

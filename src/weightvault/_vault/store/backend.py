@@ -15,15 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._base.atomic import (
-    atomic_file,
-    batch_sync_ok,
-    fsync_dir,
-    sync_paths,
-    write_all,
-    write_temp,
-)
-from .._base.errors import BackendNotInstalled, FormatError
+from ..._base.atomic import atomic_file, batch_sync_ok, fsync_dir, sync_paths, write_all, write_temp
+from ..._base.errors import BackendNotInstalled, FormatError
 
 #: A blob's bytes: one buffer, or parts written one after another.
 Payload = bytes | memoryview | Sequence[bytes | memoryview]

@@ -19,13 +19,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._base.dtypes import ITEMSIZE, numel
-from .._base.errors import FormatError
-from .._file.header import TensorInfo, encode_header
-from .._file.manifest import MANIFEST_KEY, Manifest
-from .._training.codec import decode
-from .dcp_layout import Chunk, Layout, grid_chunk, parse_layout, parse_table
-from .objects import (
+from ..._base.dtypes import ITEMSIZE, numel
+from ..._base.errors import FormatError
+from ..._file.header import TensorInfo, encode_header
+from ..._file.manifest import MANIFEST_KEY, Manifest
+from ..._training.codec import decode
+from ..objects.access import (
     ObjectCheckpoint,
     content_hash,
     damaged,
@@ -33,9 +32,10 @@ from .objects import (
     prefetch,
     read_object,
 )
-from .pack import missing
-from .records import parse_header_text, parse_record, record_key
-from .store import Store
+from ..store.backend import Store
+from ..store.pack import missing
+from .dcp_layout import Chunk, Layout, grid_chunk, parse_layout, parse_table
+from .record import parse_header_text, parse_record, record_key
 
 KIND = "dcp"
 

@@ -55,25 +55,32 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._base.atomic import batch_sync_ok, sync_paths
-from .._base.errors import (
+from ..._base.atomic import batch_sync_ok, sync_paths
+from ..._base.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     FormatError,
     SourceDamagedError,
 )
-from .checkpoint import open_record
-from .codec import CODECS, DEFAULT, Codec
-from .commit import begin, commit_record, each, release, workers
-from .delta import Parts, encode_full, size_of, stored_depth
-from .frame import HEADER_SIZE, Frame, is_frame, parse_frame_header
-from .intents import encode_intent
-from .marker import holds_vault, require_vault
-from .objects import content_hash, is_temp, object_file, object_frame, object_key, read_object
-from .pack import pack_table
-from .records import check_name, read_doc, record_key, record_names, resolve
-from .store import Store
-from .todo import mark
+from ..objects.access import (
+    content_hash,
+    is_temp,
+    object_file,
+    object_frame,
+    object_key,
+    read_object,
+)
+from ..objects.codec import CODECS, DEFAULT, Codec
+from ..objects.encoding import Parts, encode_full, size_of, stored_depth
+from ..objects.frame import HEADER_SIZE, Frame, is_frame, parse_frame_header
+from ..records.checkpoint import open_record
+from ..records.intents import encode_intent
+from ..records.record import check_name, read_doc, record_key, record_names, resolve
+from ..records.todo import mark
+from ..store.backend import Store
+from ..store.identity import holds_vault, require_vault
+from ..store.pack import pack_table
+from ..writing.commit import begin, commit_record, each, release, workers
 
 __all__ = ["BATCH_BYTES", "TransferReport", "transfer"]
 

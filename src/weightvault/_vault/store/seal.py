@@ -26,7 +26,7 @@ from typing import Any
 
 import xxhash
 
-from .._base.errors import ChecksumError
+from ..._base.errors import ChecksumError
 
 __all__ = ["SUM", "seal", "seal_json", "unseal"]
 

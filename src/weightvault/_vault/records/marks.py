@@ -32,8 +32,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._base.errors import CheckpointNotFoundError
-from .records import (
+from ..._base.errors import CheckpointNotFoundError
+from ..store.backend import Store
+from .record import (
     _HEAD,
     _SCALAR,
     LABELS,
@@ -46,7 +47,6 @@ from .records import (
     resolve,
     rewrite_record,
 )
-from .store import Store
 
 __all__ = [
     "Held",

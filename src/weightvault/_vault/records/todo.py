@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 
-from .._base.errors import CheckpointNotFoundError, FormatError
-from .records import check_name, read_doc
-from .store import Store
+from ..._base.errors import CheckpointNotFoundError, FormatError
+from ..store.backend import Store
+from .record import check_name, read_doc
 
 __all__ = ["TODO", "held_packs", "mark", "pending", "todo_key"]
 

@@ -74,11 +74,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._base.dtypes import ITEMSIZE
-from .._base.errors import CheckpointNotFoundError, FormatError
-from .._file.layout import is_training
-from .commit import begin, release
-from .delta import (
+from ..._base.dtypes import ITEMSIZE
+from ..._base.errors import CheckpointNotFoundError, FormatError
+from ..._file.layout import is_training
+from ..objects.access import checksum, content_hash, object_key, read_object, write_loose
+from ..objects.encoding import (
     PAYS,
     SHARED_PAYS,
     Parts,
@@ -88,12 +88,12 @@ from .delta import (
     encode_full,
     size_of,
 )
-from .frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
-from .objects import checksum, content_hash, object_key, read_object, write_loose
-from .pack import Packed, find, pack_key, pack_table
-from .records import creation_order, read_doc, record_key, record_names
-from .store import Store
-from .todo import TODO, held_packs, mark, pending, todo_key
+from ..objects.frame import HEADER_SIZE, decode_into, is_frame, parse_frame, parse_frame_header
+from ..records.record import creation_order, read_doc, record_key, record_names
+from ..records.todo import TODO, held_packs, mark, pending, todo_key
+from ..store.backend import Store
+from ..store.pack import Packed, find, pack_key, pack_table
+from ..writing.commit import begin, release
 
 __all__ = [
     "LOCK",
@@ -320,7 +320,7 @@ class _Records:
         return self._parse(name, doc)
 
     def _parse(self, name: str, doc: dict[str, Any]) -> Tensors | None:
-        from .checkpoint import VaultCheckpoint
+        from ..records.checkpoint import VaultCheckpoint
 
         if doc.get("kind") is not None:
             return None  # weightvault.dcp's chunks: stored as written

@@ -19,12 +19,9 @@ from typing import Any, TypeVar
 import blake3
 import xxhash
 
-from .._base.errors import FormatError
-from .._file.checkpoint import checksum_error
-from .codec import BLOCK, codec_pool
-from .dcp_record import KIND, DcpCheckpoint
-from .frame import blocks_intact, drop_buffers
-from .objects import (
+from ..._base.errors import FormatError
+from ..._file.checkpoint import checksum_error
+from ..objects.access import (
     DIGEST,
     ObjectCheckpoint,
     OpenObject,
@@ -34,9 +31,12 @@ from .objects import (
     open_object,
     prefetch,
 )
-from .pack import missing
-from .records import parse_header_text, parse_record, record_key
-from .store import Store
+from ..objects.codec import BLOCK, codec_pool
+from ..objects.frame import blocks_intact, drop_buffers
+from ..store.backend import Store
+from ..store.pack import missing
+from .dcp import KIND, DcpCheckpoint
+from .record import parse_header_text, parse_record, record_key
 
 __all__ = ["KEEP_FLOOR", "KEEP_FRACTION", "VaultCheckpoint", "keep_budget", "open_record"]
 

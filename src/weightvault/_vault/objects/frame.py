@@ -42,7 +42,7 @@ follows delta chains. Errors here say what is wrong with the frame; the readers 
 which object and which tensor.
 
 Example:
-    >>> from weightvault._vault.codec import CODECS
+    >>> from weightvault._vault.objects.codec import CODECS
     >>> parts = encode_frame(memoryview(bytes(1 << 16)), 4, CODECS["blosc2"])
     >>> frame = parse_frame(memoryview(b"".join(parts)), 1 << 16)
     >>> (frame.raw_size, frame.depth, frame.base)
@@ -60,10 +60,10 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from .._base.errors import FormatError
-from .._file.checkpoint import HASH_WINDOW
+from ..._base.errors import FormatError
+from ..._file.checkpoint import HASH_WINDOW
 from .codec import BLOCK, READABLE, Codec, codec_pool, compress_block, decompress_block
-from .diff import KINDS, apply_delta
+from .transforms import KINDS, apply_delta
 
 __all__ = [
     "HEADER_SIZE",

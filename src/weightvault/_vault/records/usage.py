@@ -33,9 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .pack import PACKS, pack_table
-from .records import CheckpointRecord, list_docs
-from .store import Store
+from ..store.backend import Store
+from ..store.pack import PACKS, pack_table
+from .record import CheckpointRecord, list_docs
 from .todo import pending
 
 __all__ = ["CheckpointUsage", "VaultUsage", "checkpoint_usage", "vault_usage"]

@@ -51,10 +51,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._base.atomic import WRITEBACK_BYTES, open_temp, start_writeback
-from .._base.errors import ChecksumError, FormatError, capped
+from ..._base.atomic import WRITEBACK_BYTES, open_temp, start_writeback
+from ..._base.errors import ChecksumError, FormatError, capped
+from .backend import Store
 from .seal import seal_json, unseal
-from .store import Store
 
 __all__ = [
     "ALIGN",

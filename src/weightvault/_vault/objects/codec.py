@@ -49,8 +49,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .._base.errors import BackendNotInstalled
-from .._base.pools import LazyPool
+from ..._base.errors import BackendNotInstalled
+from ..._base.pools import LazyPool
 from .blosc2_c import decoder
 
 __all__ = [

@@ -25,21 +25,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .._base.errors import (
-    CheckpointNotFoundError,
-    FormatError,
-    capped,
-)
-from .._training.complete import training_state_problems
-from .checkpoint import VaultCheckpoint, open_record
-from .dcp_record import DcpCheckpoint, check_section
-from .frame import blocks_intact
-from .intents import parse_intent
-from .marker import MARKER, holds_vault
-from .objects import checksum, content_hash, is_temp, open_object, read_object
-from .pack import PACKS, check_pack, is_pack
-from .records import read_sealed, record_key, record_names
-from .store import Store
+from ..._base.errors import CheckpointNotFoundError, FormatError, capped
+from ..._training.complete import training_state_problems
+from ..objects.access import checksum, content_hash, is_temp, open_object, read_object
+from ..objects.frame import blocks_intact
+from ..records.checkpoint import VaultCheckpoint, open_record
+from ..records.dcp import DcpCheckpoint, check_section
+from ..records.intents import parse_intent
+from ..records.record import read_sealed, record_key, record_names
+from ..store.backend import Store
+from ..store.identity import MARKER, holds_vault
+from ..store.pack import PACKS, check_pack, is_pack
 
 __all__ = ["VaultVerifyReport", "check_object", "verify_vault"]
 

@@ -32,10 +32,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import blake3
 import xxhash
 
-from .._base.errors import FormatError
-from .._file.checkpoint import HASH_WINDOW, Checkpoint, new_buffer
-from .._file.header import TensorInfo
-from .._file.manifest import Manifest
+from ..._base.errors import FormatError
+from ..._file.checkpoint import HASH_WINDOW, Checkpoint, new_buffer
+from ..._file.header import TensorInfo
+from ..._file.manifest import Manifest
+from ..store.backend import Store
+from ..store.pack import Packed, find, forget, pack_key, pack_table
 from .codec import codec_pool
 from .frame import (
     HEADER_SIZE,
@@ -47,8 +49,6 @@ from .frame import (
     parse_frame_header,
     table_size,
 )
-from .pack import Packed, find, forget, pack_key, pack_table
-from .store import Store
 
 __all__ = [
     "DIGEST",

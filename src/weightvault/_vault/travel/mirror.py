@@ -37,13 +37,13 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .._base.errors import CheckpointExistsError, SourceDamagedError
-from .._base.priority import lower_priority
-from .records import record_names
+from ..._base.errors import CheckpointExistsError, SourceDamagedError
+from ..._base.priority import lower_priority
+from ..records.record import record_names
 from .transfer import TransferReport, transfer
 
 if TYPE_CHECKING:
-    from .vault import Vault, VaultLike
+    from ..vault import Vault, VaultLike
 
 __all__ = ["Mirror"]
 
@@ -166,7 +166,7 @@ class Mirror:
 
     def _receiver(self) -> Vault:
         if self._dest is None:
-            from .vault import as_vault
+            from ..vault import as_vault
 
             self._dest = as_vault(self._dest_spec, compaction=None, **self._options)
         return self._dest
