@@ -7,6 +7,8 @@ from seed-systems.md §2, so each case exercises one field.
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 import time
 import tracemalloc
@@ -432,3 +434,62 @@ def test_cli_converts_params_with_builtin_rules(
     assert main(["convert", str(path), str(out), "--rules", "MXNET_PREFIXES"]) == 0
     assert "1 copies kept under their own names" in capsys.readouterr().out
     assert weightvault.inspect(out).names == ["w", "v"]
+
+
+# ---------------------------------------------------------------------------------------
+# Read when asked for, never mapped
+# ---------------------------------------------------------------------------------------
+
+
+def _no_file_maps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Fail any mapping of a file (anonymous memory is fine); the descriptors tried."""
+    import mmap
+
+    real, tried = mmap.mmap, []
+
+    def mapping(fileno: int, *args: object, **kwargs: object) -> mmap.mmap:
+        if fileno >= 0:
+            tried.append(fileno)
+            raise AssertionError("a foreign file was mapped")
+        return real(fileno, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mmap, "mmap", mapping)
+    return tried
+
+
+@needs_fixtures
+def test_the_mobilenet_fixture_loads_without_a_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = FIXTURES / "mobilenet0.25_random.params"
+    expected = np.load(path.with_name("mobilenet0.25_random.expected.npz"))
+    tried = _no_file_maps(monkeypatch)
+    got = {n: np.zeros_like(expected[n]) for n in expected.files}
+    wvn.load(got, path)
+    for name in expected.files:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert not tried
+
+
+def test_a_params_file_cut_after_it_was_opened_names_the_array(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(1)
+    arrays = {
+        "arg:w": rng.standard_normal((256, 1024)).astype(np.float32),
+        "arg:v": rng.standard_normal((256, 1024)).astype(np.float32),  # a lookalike
+        "aux:b": np.arange(16, dtype=np.float32),
+    }
+    path = params(tmp_path / "m.params", arrays)
+    tried = _no_file_maps(monkeypatch)
+    with open_checkpoint(path) as ckpt:
+        # Cut short after it was opened (safe in this process: nothing is mapped).
+        os.truncate(path, path.stat().st_size // 2)
+        got = {n: np.zeros_like(a) for n, a in arrays.items()}
+        with pytest.raises(FormatError, match=rf"{re.escape(str(path))}: tensor 'arg:v'"):
+            wvn.load(got, ckpt)
+        assert not any(a.any() for a in got.values()), "the load changed the arrays"
+        np.testing.assert_array_equal(
+            np.frombuffer(ckpt.raw("arg:w"), np.float32).reshape(256, 1024), arrays["arg:w"]
+        )
+        with pytest.raises(FormatError, match=rf"{re.escape(str(path))}: tensor 'aux:b'"):
+            ckpt.raw("aux:b")
+    assert not tried

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import weightvault
 import weightvault.numpy as wvn
@@ -295,3 +297,229 @@ def test_truncated_torch_files_raise_format_error(tmp_path: Path) -> None:
         cut.write_bytes(data[:n])
         with pytest.raises(FormatError):
             open_checkpoint(cut)
+
+
+# ---------------------------------------------------------------------------------------
+# Zip files through the stand-ins, torch installed or not: bitwise what torch.load gives
+# ---------------------------------------------------------------------------------------
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as bytes (NaNs and signed zeros compare exactly)."""
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    dense = flat.new_empty(flat.shape).copy_(flat)  # stride 1 even where numel is 1
+    return dense.view(torch.uint8) if dense.numel() else dense
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
+        assert torch.equal(bits(got[k]), bits(w)), k
+
+
+def reference(path: Path) -> dict[str, torch.Tensor]:
+    return dict(torch.load(path, weights_only=True))
+
+
+def no_torch_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every torch.load fail, so that a read that passes never called it."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load was called")
+
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def views_state() -> dict[str, torch.Tensor]:
+    """Ties, views at offsets and with strides, flags, dtypes and empties of storages."""
+    torch.manual_seed(1)
+    emb = nn.Embedding(10, 6)
+    head = nn.Linear(6, 10, bias=False)
+    head.weight = emb.weight  # tied, as GPT-2's head is
+    frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+    base = torch.randn(6, 8)
+    z = torch.randn(5, dtype=torch.complex64)
+    wide = torch.arange(64, dtype=torch.float64)
+    return {
+        "emb.weight": emb.weight,
+        "head.weight": head.weight,
+        "frozen": frozen,
+        "base.rows": base[2:5],  # an offset into the storage, contiguous
+        "base.cols": base[:, 3:7],  # a narrow along the last dimension: strided
+        "base.t": base.t(),
+        "base.step": base.view(-1)[1::5],
+        "base.expand": base[0, :1].expand(4, 3),  # stride 0
+        "base.diag": base.diagonal(),
+        "base.empty": base[:0],
+        "base.scalar": base[1, 1],  # 0-dim, at an offset
+        "z.conj": z.conj(),
+        # float32 with the negative bit, over a complex storage saved only this way
+        "neg_imag": torch.randn(5, dtype=torch.complex64).conj().imag,
+        "z": z,
+        "wide.tail": wide[40:],  # only the storage's tail is used
+        "bf16": torch.randn(4, 4).to(torch.bfloat16)[:, ::2],
+        "f8": torch.tensor([0.5, -2.0, 448.0], dtype=torch.float8_e4m3fn),
+        "mask": torch.tensor([True, False, True]),
+        "nan": torch.tensor([float("nan"), -0.0, float("inf")]),
+    }
+
+
+def test_gpt2_reads_bitwise_as_torch_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=32)
+    model = GPT2LMHeadModel(cfg).eval()
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(model.state_dict(), path)
+    want = reference(path)
+    no_torch_load(monkeypatch)
+    with open_checkpoint(path) as ckpt:
+        assert ckpt.entry("lm_head.weight").kind == "alias"
+        assert ckpt.entry("lm_head.weight").stored == "transformer.wte.weight"
+    for mmap in (False, True):
+        assert_bitwise(wv.load_file(path, mmap=mmap), want)
+    other = GPT2LMHeadModel(cfg).eval()
+    assert wv.load(other, path).ok
+    assert_bitwise(dict(other.state_dict()), want)
+    assert other.lm_head.weight is other.transformer.wte.weight
+
+
+def test_tied_and_strided_views_read_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "views.pt"
+    torch.save(views_state(), path)
+    want = reference(path)
+    no_torch_load(monkeypatch)
+    with open_checkpoint(path) as ckpt:
+        kinds = {n: ckpt.entry(n).kind for n in ckpt.names}
+        assert ckpt.manifest.frozen == ["frozen"]
+    assert kinds["head.weight"] == "alias" and kinds["emb.weight"] == "stored"
+    # Flagged tensors hold values their storage's bytes do not: never views of them.
+    assert want["neg_imag"].is_neg() and want["z.conj"].is_conj()
+    assert kinds["z.conj"] == kinds["neg_imag"] == "stored"
+    assert {kinds[n] for n in ("base.cols", "base.t", "base.step", "base.expand")} == {"view"}
+    for mmap in (False, True):
+        assert_bitwise(wv.load_file(path, mmap=mmap), want)
+    got = wvn.load_file(path)
+    np.testing.assert_array_equal(got["base.t"], want["base.t"].numpy())
+    np.testing.assert_array_equal(got["z.conj"], want["z.conj"].resolve_conj().numpy())
+
+
+def test_only_the_bytes_a_tensor_uses_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weightvault.formats.torch_zip as torch_zip
+
+    path = tmp_path / "slice.pt"
+    big = torch.arange(1 << 21, dtype=torch.float32)  # 8 MiB, all of it in the file
+    torch.save({"w": big[1000:1004], "e": big[:0]}, path)
+    sizes: list[int] = []
+    real = torch_zip.new_buffer
+
+    def recording(nbytes: int) -> memoryview:
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(torch_zip, "new_buffer", recording)
+    assert_bitwise(wv.load_file(path), reference(path))
+    assert sizes == [16], sizes  # w's 4 floats (byte 4000 is aligned); e reads nothing
+
+
+def test_legacy_files_are_still_read_by_torch_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "legacy.pt"
+    sd = shared_state()
+    sd.pop("f8")
+    torch.save(sd, path, _use_new_zipfile_serialization=False)
+    assert_bitwise(wv.load_file(path), reference(path))
+    no_torch_load(monkeypatch)
+    with pytest.raises(FormatError, match=r"torch\.load\(weights_only=True\) refused"):
+        open_checkpoint(path)
+
+
+@st.composite
+def strided_views(
+    draw: st.DrawFn,
+) -> tuple[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+    """A storage's length and views of it (offset, shape, stride), each inside it."""
+    length = draw(st.integers(1, 64))
+    views = []
+    for _ in range(draw(st.integers(1, 4))):
+        ndim = draw(st.integers(0, 3))
+        shape = tuple(draw(st.lists(st.integers(0, 4), min_size=ndim, max_size=ndim)))
+        stride = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+        if 0 in shape:  # holds no element, wherever it starts
+            views.append((draw(st.integers(0, length - 1)), shape, stride))
+            continue
+        reach = sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        if reach < length:
+            views.append((draw(st.integers(0, length - 1 - reach)), shape, stride))
+    return length, views
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=strided_views(), dtype=st.sampled_from([torch.float32, torch.int16, torch.bfloat16]))
+def test_any_view_of_a_storage_reads_as_torch_load(
+    tmp_path: Path,
+    case: tuple[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]],
+    dtype: torch.dtype,
+) -> None:
+    length, views = case
+    base = torch.arange(length).to(dtype)
+    sd = {"base": base} if length % 2 else {}
+    for i, (offset, shape, stride) in enumerate(views):
+        sd[f"v{i}"] = base.as_strided(shape, stride, offset)
+    sd["other"] = torch.ones(3, dtype=dtype)
+    path = tmp_path / f"views-{os.urandom(6).hex()}.pt"
+    torch.save(sd, path)
+    assert_bitwise(wv.load_file(path), reference(path))
+    path.unlink()
+
+
+CUT = r"""
+import json, os, sys
+import torch, weightvault, weightvault.torch as wvt
+path, call = sys.argv[1], sys.argv[2]
+size, victim = os.path.getsize(path), os.stat(path)
+real = getattr(os, call)
+state = {"cut": False}
+def cutting(fd, *args):
+    st = os.fstat(fd)
+    if not state["cut"] and (st.st_dev, st.st_ino) == (victim.st_dev, victim.st_ino):
+        os.truncate(path, size // 2)
+        state["cut"] = True
+    return real(fd, *args)
+setattr(os, call, cutting)
+model = torch.nn.Module()
+model.a = torch.nn.Parameter(torch.zeros(1 << 18))
+model.b = torch.nn.Parameter(torch.zeros(1 << 18))
+out = {"outcome": "loaded", "message": ""}
+try:
+    wvt.load(model, path)
+except weightvault.FormatError as e:
+    out["outcome"], out["message"] = "raised", str(e)
+out["cut"] = state["cut"]
+out["untouched"] = not (model.a.detach().any() or model.b.detach().any()).item()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("call", ["pread", "preadv"], ids=["before-headers", "before-data"])
+def test_a_pt_cut_short_while_read_is_an_error_naming_the_tensor(tmp_path: Path, call: str) -> None:
+    path = tmp_path / "model.pt"
+    torch.save({"a": torch.ones(1 << 18), "b": torch.full((1 << 18,), 2.0)}, path)
+    run = subprocess.run(
+        [sys.executable, "-c", CUT, str(path), call], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, f"the reader died (signal {-run.returncode}): {run.stderr[-2000:]}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["cut"], f"the cut never came, so nothing was tested: {out}"
+    assert out["outcome"] == "raised", out
+    assert re.search(f"{re.escape(str(path))}: tensor '[ab]'", out["message"]), out
+    assert out["untouched"], out

@@ -431,6 +431,45 @@ def test_load_streams_one_variable_at_a_time(tmp_path: Path, kind: str) -> None:
     assert np.array_equal(np_(fresh(x)), np_(model(x)))
 
 
+@pytest.mark.parametrize("writer", ["keras", "weightvault"])
+def test_weights_h5_is_read_without_a_mapping_and_a_cut_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    import mmap
+
+    model = tied_functional(3)
+    path = tmp_path / "m.weights.h5"
+    if writer == "keras":
+        model.save_weights(path)
+    else:
+        wvk.save_weights(model, path)
+    real, tried = mmap.mmap, []
+
+    def mapping(fileno: int, *args: Any, **kwargs: Any) -> Any:
+        if fileno >= 0:
+            tried.append(fileno)
+            raise AssertionError("the .weights.h5 file was mapped")
+        return real(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", mapping)
+    # The oracle: Keras' own load_weights of the same file.
+    keras_fresh = tied_functional(9)
+    keras_fresh.load_weights(path)
+    fresh = tied_functional(9)
+    wvk.load(fresh, path)
+    assert np.array_equal(np_(fresh(X)), np_(keras_fresh(X)))
+    assert np.array_equal(np_(fresh(X)), np_(model(X)))
+    # Cut short after it was opened: refused before any variable changes.
+    with weightvault.formats.open_any(path) as ckpt:
+        os.truncate(path, path.stat().st_size // 2)
+        other = tied_functional(9)
+        before = [np_(v).copy() for v in other.weights]
+        with pytest.raises(weightvault.FormatError, match=f"{path}: tensor "):
+            wvk.load(other, ckpt)
+        assert all(np.array_equal(np_(v), b) for v, b in zip(other.weights, before, strict=True))
+    assert not tried
+
+
 # --- background saves -----------------------------------------------------------------
 
 

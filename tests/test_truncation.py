@@ -11,6 +11,10 @@ after the first window of bytes was read (``skip=1``). Reads of a pack's index a
 through, so the cut lands on the objects' bytes. The child reports whether the cut
 happened (a case whose cut never came would prove nothing) and what the reader said.
 
+Foreign files (npz, compressed npz, MXNet ``.params``, Keras ``.weights.h5``) are cut
+during a load of a checkpoint already open: between the open and the load, or before
+the load's second positional read of the file (``skip=1``).
+
 The oracle for what is read is the reader's own outcome: a load or a single file's
 verify raises a :class:`~weightvault.FormatError` (or ``OSError``) naming the file and
 the tensor and leaves the model as it was; a vault's verify reports the tensor; a
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +107,36 @@ def make_vault(root: Path, kind: str, reader: str) -> tuple[Path, str, str]:
     return victim, name, "w"
 
 
+FOREIGN = ["npz", "npz-deflate", "mxnet", "h5"]
+
+
+def _mx_dense(a: np.ndarray) -> bytes:
+    """A dense float32 MXNet NDArray record (V2), as ``mx.nd.save`` writes it."""
+    shape = struct.pack("<i", a.ndim) + struct.pack(f"<{a.ndim}q", *a.shape)
+    return struct.pack("<Ii", 0xF993FAC9, 0) + shape + struct.pack("<iii", 1, 0, 0) + a.tobytes()
+
+
+def make_foreign(root: Path, kind: str) -> Path:
+    """A foreign file of ``kind`` holding ``w`` (8 MiB, so the cut lands in it) then ``b``."""
+    arrays = {"w": big(0), "b": np.arange(4096, dtype=np.float32)}
+    if kind in ("npz", "npz-deflate"):
+        path = root / "m.npz"
+        (np.savez_compressed if kind == "npz-deflate" else np.savez)(path, **arrays)
+    elif kind == "mxnet":
+        path = root / "m.params"
+        body = struct.pack("<QQQ", 0x112, 0, 2) + b"".join(_mx_dense(a) for a in arrays.values())
+        body += struct.pack("<Q", 2) + b"".join(struct.pack("<Q", 1) + n.encode() for n in arrays)
+        path.write_bytes(body)
+    else:
+        import h5py
+
+        path = root / "m.weights.h5"
+        with h5py.File(path, "w") as f:
+            for name, a in arrays.items():
+                f[name] = a
+    return path
+
+
 # -- the child -------------------------------------------------------------------------------
 
 
@@ -159,6 +194,8 @@ def run_reader(spec: dict[str, Any]) -> dict[str, Any]:
     import weightvault
     from weightvault import Vault
 
+    if spec["kind"] == "foreign":
+        return _foreign_reader(spec)
     state = arm(spec["victim"], spec["skip"], spec["below"])
     out: dict[str, Any] = {}
     try:
@@ -205,6 +242,33 @@ def _file_reader(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         untouched = not model.w.detach().any().item() and not model.b.detach().any().item()
     return {"outcome": "loaded", "untouched": untouched}
+
+
+def _foreign_reader(spec: dict[str, Any]) -> dict[str, Any]:
+    """Open the foreign file, cut it (now, or armed before the load's reads), load it
+    into arrays of zeros."""
+    import weightvault
+    import weightvault.numpy as wvn
+    from weightvault.formats import open_any
+
+    victim = spec["victim"]
+    arrays = {"w": np.zeros(BIG, np.float32), "b": np.zeros(4096, np.float32)}
+    state: dict[str, Any] = {"cut": False, "how": None}
+    out: dict[str, Any] = {}
+    try:
+        with open_any(victim) as ckpt:
+            if spec["skip"] < 0:
+                os.truncate(victim, os.stat(victim).st_size // 2)
+                state.update(cut=True, how="after it was opened")
+            else:
+                state = arm(victim, spec["skip"], spec["below"])
+            wvn.load(arrays, ckpt)
+        out["outcome"] = "loaded"
+    except (weightvault.FormatError, OSError) as e:
+        out["outcome"], out["error"], out["message"] = "raised", type(e).__name__, str(e)
+    out["untouched"] = not any(a.any() for a in arrays.values())
+    out["cut"], out["how"] = state["cut"], state["how"]
+    return out
 
 
 # -- the tests -------------------------------------------------------------------------------
@@ -302,6 +366,30 @@ def test_a_vault_object_cut_after_its_first_window_is_an_error(tmp_path: Path, k
     result = child(spec)
     assert result["outcome"] == "raised", result
     assert f"{name}.json: tensor {tensor!r}" in result["message"], result
+
+
+#: ``skip``: -1 cuts the file between its open and the load; 1 before the load's second
+#: positional read (a deflated member is inflated through buffered reads, not these).
+FOREIGN_CUTS = [(kind, -1) for kind in FOREIGN] + [(k, 1) for k in FOREIGN if k != "npz-deflate"]
+
+
+@pytest.mark.parametrize(("kind", "skip"), FOREIGN_CUTS)
+def test_a_foreign_file_cut_short_during_a_load_is_an_error(
+    tmp_path: Path, kind: str, skip: int
+) -> None:
+    if kind == "h5":
+        pytest.importorskip("h5py")
+    victim = make_foreign(tmp_path, kind)
+    spec = {"kind": "foreign", "reader": "load", "skip": skip, "victim": str(victim),
+            "below": victim.stat().st_size}  # fmt: skip
+    result = child(spec)
+    assert result["outcome"] == "raised", result
+    assert result["error"] == "FormatError", result
+    # Whichever of its arrays the load reached first past the cut.
+    assert re.search(f"{re.escape(str(victim))}: tensor '[wb]'", result["message"]), result
+    if skip < 0:
+        # Cut before the load: it refuses before it changes anything.
+        assert result["untouched"], result
 
 
 if __name__ == "__main__":

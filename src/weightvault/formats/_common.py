@@ -1,10 +1,13 @@
-"""What every foreign-format reader shares: file maps, lazy imports and the checkpoint.
+"""What every foreign-format reader shares: file reads, lazy imports and the checkpoint.
 
 Readers decode a foreign file into :class:`~weightvault._file.sharing.Source` records and hand
 them to :func:`build`, which runs the same :func:`~weightvault._file.sharing.plan` as a save. So a
 foreign file gets the manifest a save would have written: real sharing (tied storages,
 hard links) becomes aliases and views, and equal bytes under different names become
 copies, found by content with the one dedup the library has.
+
+The npz, MXNet and Keras h5 readers never map their file: they read it through
+:mod:`._lazy`, and :class:`ForeignCheckpoint` reads each array when it is asked for.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .._base.dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
-from .._base.errors import BackendNotInstalled, FormatError, WeightvaultError
-from .._file.checkpoint import MemoryCheckpoint
+from .._base.errors import BackendNotInstalled, FormatError, WeightvaultError, capped
+from .._file.checkpoint import Checkpoint
+from .._file.header import TensorInfo
 from .._file.manifest import Manifest
-from .._file.sharing import Source, plan
+from .._file.sharing import Source
+
+# Lazy and FileReader are re-exported: other readers take them from here.
+from ._lazy import FileReader as FileReader, Held, Lazy as Lazy, held, plan_lazily
 
 #: First bytes of the containers the readers share with the sniffing in :mod:`._registry`.
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -87,7 +94,11 @@ def need(module: str, what: str) -> Any:
 
 
 def map_file(path: str) -> tuple[mmap.mmap | None, int]:
-    """A read-only map of ``path`` and its size (no map for an empty file)."""
+    """A read-only map of ``path`` and its size (no map for an empty file).
+
+    Only the ``.keras`` archive's lookup of its weights member still maps (its local
+    header); the npz, MXNet and Keras h5 readers read with :class:`FileReader`.
+    """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
@@ -95,8 +106,12 @@ def map_file(path: str) -> tuple[mmap.mmap | None, int]:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), size
 
 
-class ForeignCheckpoint(MemoryCheckpoint):
-    """A checkpoint decoded from a foreign format, its bytes in memory or in a file map.
+class ForeignCheckpoint(Checkpoint):
+    """A checkpoint decoded from a foreign format.
+
+    Each stored tensor's bytes are in memory (what had to be decoded: densified sparse
+    arrays, chunked datasets, byte-swapped arrays), or :class:`Lazy`, read from the file
+    when :meth:`raw` or :meth:`read_into` asks for them and never kept.
 
     Attributes:
         format: The detected format, such as ``"mxnet"`` or ``"torch"``.
@@ -105,14 +120,31 @@ class ForeignCheckpoint(MemoryCheckpoint):
     def __init__(
         self,
         path: str,
-        arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]],
+        arrays: dict[str, tuple[str, tuple[int, ...], Held]],
         manifest: Manifest,
         fmt: str,
         keep: mmap.mmap | None = None,
+        file: FileReader | None = None,
     ) -> None:
-        super().__init__(path, arrays, manifest)
+        self._data: dict[str, memoryview | Lazy] = {}
+        stored: dict[str, TensorInfo] = {}
+        position = 0
+        for name, (dtype, shape, data) in arrays.items():
+            held = data if isinstance(data, Lazy) else memoryview(data).cast("B")
+            if held.nbytes != nbytes(dtype, shape):
+                raise FormatError(
+                    f"{path}: tensor {name!r}: {dtype}{list(shape)} needs "
+                    f"{nbytes(dtype, shape)} bytes, got {held.nbytes}"
+                )
+            if name in manifest.aliases or name in manifest.copies or name in manifest.views:
+                continue
+            self._data[name] = held
+            stored[name] = TensorInfo(name, dtype, tuple(shape), position, position + held.nbytes)
+            position += held.nbytes
+        super().__init__(path, stored, manifest)
         self.format = fmt
         self._map = keep
+        self._file = file
 
     @property
     def framework(self) -> str | None:
@@ -122,11 +154,49 @@ class ForeignCheckpoint(MemoryCheckpoint):
     def container(self) -> str:
         return self.format
 
+    def raw(self, stored: str) -> memoryview:
+        held = self._data[stored]
+        return held.read() if isinstance(held, Lazy) else held
+
+    def read_into(self, stored: str, buffer: memoryview) -> bool:
+        held = self._data[stored]
+        if not isinstance(held, Lazy) or buffer.nbytes != held.nbytes or not held.nbytes:
+            return False
+        held.fill(buffer)
+        return True
+
+    def stage(self, stored: list[str], verify: bool) -> None:
+        # Every byte reachable without reading it: the file still reaches as far as the
+        # arrays read on demand lie (those in memory are there already).
+        if verify:
+            self.verify(stored)
+        lazy = [n for n in stored if isinstance(self._data.get(n), Lazy)]
+        if not lazy or self._file is None:
+            return
+        if self._file.stream.closed:
+            raise FormatError(f"{self.path}: the file is closed")
+        size = os.fstat(self._file.stream.fileno()).st_size
+        short = [n for n in lazy if self._lazy(n).end > size]
+        if short:
+            raise FormatError(
+                f"{self.path}: tensor {short[0]!r}: the file was cut to {size} bytes after "
+                f"it was opened ({self._file.size} expected; {capped(short)} lie past its "
+                "end); save or copy it again"
+            )
+
+    def _lazy(self, stored: str) -> Lazy:
+        held = self._data[stored]
+        assert isinstance(held, Lazy)
+        return held
+
     def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
         # Views handed out keep the map alive; it then goes when the last of them does.
         for view in self._data.values():
-            with contextlib.suppress(BufferError, ValueError):
-                view.release()
+            if isinstance(view, memoryview):
+                with contextlib.suppress(BufferError, ValueError):
+                    view.release()
         if self._map is not None:
             with contextlib.suppress(BufferError):
                 self._map.close()
@@ -138,6 +208,7 @@ def build(
     fmt: str,
     *,
     keep: mmap.mmap | None = None,
+    file: FileReader | None = None,
     metadata: dict[str, str] | None = None,
 ) -> ForeignCheckpoint:
     """Plan ``sources`` as a save would and wrap the result as a checkpoint.
@@ -145,8 +216,11 @@ def build(
     Args:
         path: The file, for messages.
         sources: Every array in the file's order; equal ``identity`` means one tensor.
+            A source whose ``data`` is a :class:`Lazy` is read only when asked for (and
+            by the plan, one at a time, to compare it with lookalikes).
         fmt: The format name the checkpoint reports.
         keep: A file map the sources' bytes point into, released by ``close``.
+        file: The file the :class:`Lazy` sources read, closed by ``close``.
         metadata: Kept in the manifest.
 
     Raises:
@@ -155,12 +229,10 @@ def build(
     """
     for s in sources:
         check_tensor(path, s.name, s.dtype, s.shape)
-    p = plan(sources)
+    p = plan_lazily(sources)
     manifest = p.manifest(metadata, ours=False)
-    arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]] = {
-        s.name: (s.dtype, s.shape, s.data()) for s in p.stored
-    }
-    return ForeignCheckpoint(path, arrays, manifest, fmt, keep)
+    arrays = {s.name: (s.dtype, s.shape, held(s.data)) for s in p.stored}
+    return ForeignCheckpoint(path, arrays, manifest, fmt, keep, file)
 
 
 def plain(
@@ -252,13 +324,31 @@ def stored_zip_member(
     archive can point nowhere outside the file. ``what`` names the member in messages,
     which end with ``fix`` when one is given.
     """
-    tail = f"; {fix}" if fix else ""
     at = info.header_offset
-    header = bytes(buf[at : at + 30])
+    start = _member_start(info, bytes(buf[at : at + 30]), buf.nbytes, where, what, fix)
+    return buf[start : start + info.file_size]
+
+
+def zip_member_start(
+    info: zipfile.ZipInfo, file: FileReader, where: str, what: str, fix: str = ""
+) -> int:
+    """Where the bytes of zip member ``info`` begin in ``file`` (read, never mapped),
+    checked as :func:`stored_zip_member` checks them: its ``compress_size`` bytes (its
+    ``file_size`` when it is stored) lie inside the file."""
+    at = info.header_offset
+    header = file.exact(at, 30, f"the zip local header of {what}") if at + 30 <= file.size else b""
+    return _member_start(info, header, file.size, where, what, fix)
+
+
+def _member_start(
+    info: zipfile.ZipInfo, header: bytes, size: int, where: str, what: str, fix: str
+) -> int:
+    tail = f"; {fix}" if fix else ""
     if len(header) != 30 or header[:4] != ZIP_LOCAL_MAGIC:
         raise FormatError(f"{where}: {what} has no zip local header{tail}")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
-    start = at + 30 + name_len + extra_len
-    if start + info.file_size > buf.nbytes:
+    start: int = info.header_offset + 30 + name_len + extra_len
+    stored = info.compress_type == zipfile.ZIP_STORED
+    if start + (info.file_size if stored else info.compress_size) > size:
         raise FormatError(f"{where}: {what} runs past the end of the file{tail}")
-    return buf[start : start + info.file_size]
+    return start

@@ -167,7 +167,7 @@ def open_keras_archive(path: PathLike, *, max_decoded_bytes: int | None = None) 
             budget.charge(f"member {WEIGHTS!r}", info.file_size)
             inflated = _inflate(zf, info, where, budget.limit)
             region = Region(where, 0, len(inflated), label, inflated)
-    return read_region(region, mm, budget)
+    return read_region(region, budget)
 
 
 def _data_start(info: zipfile.ZipInfo, mm: object, where: str) -> int:

@@ -13,11 +13,13 @@ A file weightvault wrote carries its manifest in the root attribute ``weightvaul
 (JSON, ignored by Keras): the frozen datasets, the hard-linked datasets that are copies
 (separate variables stored once by ``convert --dedupe-copies``), and your metadata.
 
-Contiguous, unfiltered datasets are read with ``preadv`` straight from the file (a load
-touches no mapping, so its memory stays that of one variable); chunked or compressed
-ones are decoded through h5py, after their size is checked against the bytes they
-occupy and charged to the file's :class:`~weightvault._base.limits.DecodeBudget` (so 300
-unwritten datasets cannot add up to gigabytes). A group reachable through two paths is
+Contiguous, unfiltered datasets are read with ``preadv`` straight from the file when their
+tensor is asked for (the file is never mapped: a load's memory stays that of one
+variable, and a file cut short meanwhile is a :class:`~weightvault.FormatError` naming
+the dataset); chunked or compressed ones are decoded through h5py when the file is
+opened, after their size is checked against the bytes they occupy and charged to the
+file's :class:`~weightvault._base.limits.DecodeBudget` (so 300 unwritten datasets cannot
+add up to gigabytes). A group reachable through two paths is
 refused, so groups hard-linked into each other cannot multiply the paths walked (2**21
 from a few kB), and a group that contains itself is a link cycle.
 
@@ -44,21 +46,19 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import mmap
 import os
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from .._base.dtypes import BY_FRAMEWORK_NAME, ITEMSIZE, MAX_DIMS, NUMPY_NATIVE, numel
 from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
 from .._base.types import PathLike
-from .._file.checkpoint import read_fully
 from .._file.manifest import Manifest
-from .._file.sharing import Source, plan
-from ._common import ForeignCheckpoint, check_shape, check_tensor, decoding, map_file, need
+from .._file.sharing import Source
+from ._common import ForeignCheckpoint, check_shape, check_tensor, decoding, need
+from ._lazy import FileReader, Held, held, plan_lazily
 
 #: A chunked dataset may decompress to at most this multiple of the bytes it occupies
 #: (deflate tops out near 1032:1), plus a small allowance for never-written fill values.
@@ -164,38 +164,21 @@ class Window(io.RawIOBase):
 
 
 class H5Checkpoint(ForeignCheckpoint):
-    """A Keras HDF5 file as a checkpoint; contiguous datasets are read with ``preadv``."""
+    """A Keras HDF5 file as a checkpoint; contiguous datasets are read with ``preadv``
+    when asked for (:class:`~._common.Lazy`)."""
 
     def __init__(
         self,
         region: Region,
-        arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]],
+        arrays: dict[str, tuple[str, tuple[int, ...], Held]],
         manifest: Manifest,
-        offsets: dict[str, int],
-        keep: mmap.mmap | None,
+        file: FileReader | None,
         declared: Declared | None = None,
     ) -> None:
-        super().__init__(region.path, arrays, manifest, "keras", keep)
+        super().__init__(region.path, arrays, manifest, "keras", file=file)
         self.region = region
         #: weightvault's manifest attribute, ``None`` for a file Keras wrote.
         self.declared = declared
-        self._offsets = offsets
-        self._file: io.FileIO | None = io.FileIO(region.path, "rb") if offsets else None
-
-    def read_into(self, stored: str, buffer: memoryview) -> bool:
-        at = self._offsets.get(stored)
-        if at is None or buffer.nbytes != self.stored[stored].nbytes:
-            return False
-        if self._file is None:
-            raise FormatError(f"{self.path}: dataset {stored!r}: the file is closed")
-        read_fully(self._file.fileno(), buffer, at, self.region.label, stored)
-        return True
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        super().close()
 
 
 def open_keras_h5(path: PathLike, *, max_decoded_bytes: int | None = None) -> H5Checkpoint:
@@ -218,21 +201,31 @@ def open_keras_h5(path: PathLike, *, max_decoded_bytes: int | None = None) -> H5
         ['layers/dense/vars/0', 'layers/dense/vars/1']
     """
     where = os.fspath(path)
-    mm, size = map_file(where)
+    size = os.stat(where).st_size
     budget = DecodeBudget(where, size, max_decoded_bytes)
-    return read_region(Region(where, 0, size, where), mm, budget)
+    return read_region(Region(where, 0, size, where), budget)
 
 
-def read_region(region: Region, mm: mmap.mmap | None, budget: DecodeBudget) -> H5Checkpoint:
-    """Read the HDF5 file in ``region`` of the mapped file ``mm`` (see the module)."""
+def read_region(region: Region, budget: DecodeBudget) -> H5Checkpoint:
+    """Read the HDF5 file in ``region`` (see the module).
+
+    Its contiguous datasets are read from the file when asked for (through a
+    :class:`~._common.FileReader` the checkpoint closes), never mapped; those of an
+    inflated archive member from its bytes in memory.
+    """
     h5py = need("h5py", "reading Keras .weights.h5 files")
+    file = FileReader(region.path, region.label) if region.inflated is None else None
+    try:
+        return _read(h5py, region, file, budget)
+    except BaseException:
+        if file is not None:
+            file.close()
+        raise
+
+
+def _read(h5py: Any, region: Region, file: FileReader | None, budget: DecodeBudget) -> H5Checkpoint:
     where = region.label
-    if region.inflated is not None:
-        buf, mm = memoryview(region.inflated), None
-    else:
-        whole = memoryview(mm) if mm is not None else memoryview(b"")
-        buf = whole[region.start : region.start + region.size]
-    reader = _Reader(h5py, buf, region, budget)
+    reader = _Reader(h5py, region, file, budget)
     with region.open() as source:
         try:
             f = h5py.File(source, "r")
@@ -252,11 +245,11 @@ def read_region(region: Region, mm: mmap.mmap | None, budget: DecodeBudget) -> H
         finally:
             f.close()
     with decoding(where, FIX):
-        return _build(region, reader, declared, mm)
+        return _build(region, reader, declared, file)
 
 
 def _build(
-    region: Region, reader: _Reader, declared: Declared | None, mm: mmap.mmap | None
+    region: Region, reader: _Reader, declared: Declared | None, file: FileReader | None
 ) -> H5Checkpoint:
     """Plan the datasets as a save without ``dedupe_copies`` would: equal ones stay stored
     and are listed as duplicates, except the copies the manifest declares."""
@@ -268,18 +261,14 @@ def _build(
         check_tensor(region.label, s.name, s.dtype, s.shape)
         identity = ("copy", s.name) if s.name in declared.copies else s.identity
         sources.append(Source(s.name, s.dtype, s.shape, identity, s.data, s.name in frozen))
-    p = plan(sources, dedupe_copies=False)
+    p = plan_lazily(sources, dedupe_copies=False)
     for name in declared.copies:
         if name in p.duplicates:  # stored once in the file: a copy, not a second tensor
             p.copies[name] = p.duplicates.pop(name)
     p.stored = [s for s in p.stored if s.name not in p.copies]
-    arrays: dict[str, tuple[str, tuple[int, ...], memoryview | bytes]] = {
-        s.name: (s.dtype, s.shape, reader.views[s.name] if s.name in reader.views else s.data())
-        for s in p.stored
-    }
-    offsets = {n: at for n, at in reader.offsets.items() if n in arrays}
+    arrays = {s.name: (s.dtype, s.shape, held(s.data)) for s in p.stored}
     manifest = p.manifest(declared.metadata, ours=False)
-    return H5Checkpoint(region, arrays, manifest, offsets, mm, mine)
+    return H5Checkpoint(region, arrays, manifest, file, mine)
 
 
 def read_declared(f: Any, where: str, budget: DecodeBudget, names: set[str]) -> Declared | None:
@@ -336,20 +325,13 @@ def object_key(h5py: Any, obj: Any) -> Hashable:
 class _Reader:
     """One walk of a file: every dataset as a source, and where each contiguous one lies."""
 
-    def __init__(self, h5py: Any, buf: memoryview, region: Region, budget: DecodeBudget) -> None:
-        self.h5py, self.buf, self.region, self.budget = h5py, buf, region, budget
+    def __init__(
+        self, h5py: Any, region: Region, file: FileReader | None, budget: DecodeBudget
+    ) -> None:
+        self.h5py, self.region, self.file, self.budget = h5py, region, file, budget
         self.where = region.label
         self.out: list[Source] = []
-        self.offsets: dict[str, int] = {}  # dataset name -> absolute offset in the file
-        self.views: dict[str, memoryview] = {}  # dataset name -> its bytes in the map
         self.groups: dict[Hashable, str] = {}
-
-    def read(self, name: str, at: int, n: int) -> memoryview:
-        """A private copy of a contiguous dataset's bytes, read with ``preadv``."""
-        buffer = memoryview(bytearray(n))
-        with open(self.region.path, "rb", buffering=0) as f:
-            read_fully(f.fileno(), buffer, at, self.where, name)
-        return buffer
 
     def walk(self, group: Any, prefix: str, ancestors: list[Hashable]) -> None:
         where = self.where
@@ -385,15 +367,14 @@ class _Reader:
         n = numel(shape) * ITEMSIZE[dtype]
         little = ds.dtype.byteorder in ("<", "=", "|") or ds.dtype.itemsize == 1
         offset = ds.id.get_offset() if ds.chunks is None and ds.compression is None else None
-        if offset is not None and little and n and offset + n <= self.buf.nbytes:
-            # Zero-copy: the bytes are in the file exactly as safetensors wants them.
-            view = self.views[name] = self.buf[offset : offset + n]
-            if self.region.inflated is None:
-                self.offsets[name] = at = self.region.start + offset
-                # Finding duplicates reads through preadv, never the map: nothing of the
-                # file stays in the process' memory, and a file truncated meanwhile is a
-                # FormatError, not a SIGBUS.
-                return Source(name, dtype, shape, ident, partial(self.read, name, at, n))
+        if offset is not None and little and n and offset + n <= self.region.size:
+            # The bytes are in the file exactly as safetensors wants them: read when asked
+            # for (finding duplicates included), so nothing of the file stays in memory.
+            if self.file is not None:
+                lazy = self.file.span(self.region.start + offset, n, name)
+                return Source(name, dtype, shape, ident, lazy)
+            assert self.region.inflated is not None
+            view = memoryview(self.region.inflated)[offset : offset + n]
             return Source(name, dtype, shape, ident, lambda: view)
         stored = ds.id.get_storage_size()
         if n > MAX_RATIO * stored + FILL_ALLOWANCE:

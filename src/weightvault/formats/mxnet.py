@@ -3,9 +3,11 @@
 The format is described in ``seed-systems.md`` §2: a list magic (``0x112``), a reserved
 word, the arrays, then the names. Each array is a V2 (storage type) or V3 (numpy shape
 semantics) record, or a pre-V2 legacy one (V1 with 64-bit dims, or "v0" whose first word
-is the number of dims). Dense data is plain C-order bytes, so arrays are handed out as
-slices of a read-only file map: nothing is copied until a tensor is built. Sparse arrays
-(``row_sparse``, ``csr``) are densified, after their indices are checked.
+is the number of dims). Dense data is plain C-order bytes, so an array's bytes are read
+only when its tensor is asked for, with ``preadv`` straight into the model's memory; the
+file is never mapped, so one cut short meanwhile is a :class:`~weightvault.FormatError`
+naming the array (see :mod:`._common`). Sparse arrays (``row_sparse``, ``csr``) are
+densified when the file is opened, after their indices are checked.
 
 Every count and size is checked against the bytes left in the file before it is used, so
 a crafted file raises :class:`~weightvault.FormatError` at once instead of allocating.
@@ -16,7 +18,6 @@ MXNet 2's ``.npz`` files are read by :mod:`weightvault.formats.npz`.
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 
@@ -25,7 +26,11 @@ from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
 from .._base.types import PathLike
 from .._file.sharing import Source
-from ._common import MXNET_LIST_MAGIC, ForeignCheckpoint, build, decoding, map_file, plain
+from ._common import MXNET_LIST_MAGIC, ForeignCheckpoint, build, decoding, plain
+from ._lazy import FileReader
+
+#: Where an array's bytes lie in the file: offset and length.
+Span = tuple[int, int]
 
 V1, V2, V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 #: mshadow type flags -> safetensors dtype names (seed-systems.md §2.4).
@@ -47,31 +52,56 @@ DTYPES = {
 STYPES = {0: "default", 1: "row_sparse", 2: "csr"}
 #: The smallest array record: a legacy array with no dims and no data (4 bytes).
 MIN_ARRAY_BYTES = 4
+#: The headers and names are parsed from reads of this many bytes at a time.
+WINDOW = 64 << 10
 
 #: Where a Gluon file comes from and how to make it loadable, for messages.
 FIX_DAMAGED = "the file is truncated or damaged; re-save it from MXNet or restore a good copy"
 
 
 class _Cursor:
-    """Little-endian reads over a buffer that fail, naming the file, when it runs out."""
+    """Little-endian reads of a file that fail, naming it, when it runs out.
 
-    def __init__(self, buf: memoryview, where: str) -> None:
-        self.buf, self.pos, self.where = buf, 0, where
+    Fields are served from a window read ahead (:data:`WINDOW`); arrays' bytes are
+    skipped (:meth:`skip`), so parsing reads the headers and names, not the data.
+    """
+
+    def __init__(self, file: FileReader, where: str) -> None:
+        self.file, self.pos, self.where = file, 0, where
         self.what = "the header"
+        self._window, self._at = b"", 0
 
     @property
     def left(self) -> int:
-        return self.buf.nbytes - self.pos
+        return self.file.size - self.pos
 
-    def take(self, n: int) -> memoryview:
+    def _check(self, n: int) -> None:
         if n < 0 or n > self.left:
             raise FormatError(
                 f"{self.where}: {self.what} needs {n} bytes at offset {self.pos}, but only "
                 f"{self.left} remain; {FIX_DAMAGED}"
             )
-        out = self.buf[self.pos : self.pos + n]
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.file.size:
+            self._check(n)
+        lo = self.pos - self._at
+        if lo < 0 or lo + n > len(self._window):
+            if n > WINDOW:  # a long name: read as it is
+                out = self.file.exact(self.pos, n, self.what)
+                self.pos += n
+                return out
+            self._at = self.pos
+            self._window = self.file.exact(self.pos, min(WINDOW, self.left), self.what)
+            lo = 0
         self.pos += n
-        return out
+        return self._window[lo : lo + n]
+
+    def skip(self, n: int) -> int:
+        """Pass over ``n`` bytes of array data; where they start."""
+        self._check(n)
+        at, self.pos = self.pos, self.pos + n
+        return at
 
     def _unpack(self, fmt: str, n: int) -> int:
         value: int = struct.unpack(fmt, self.take(n))[0]
@@ -91,7 +121,7 @@ class _Cursor:
 
 
 class _Array:
-    """One array record: where its bytes are, before its name is known."""
+    """One array record: where its bytes are (file offsets), before its name is known."""
 
     def __init__(
         self,
@@ -99,8 +129,8 @@ class _Array:
         stype: int,
         dtype: str,
         shape: tuple[int, ...] | None,
-        data: memoryview,
-        aux: list[tuple[str, tuple[int, ...], memoryview]],
+        data: Span,
+        aux: list[tuple[str, tuple[int, ...], Span]],
     ) -> None:
         self.index, self.stype, self.dtype, self.shape = index, stype, dtype, shape
         self.data, self.aux = data, aux
@@ -129,15 +159,18 @@ def open_mxnet(path: PathLike, *, max_decoded_bytes: int | None = None) -> Forei
         'copy'
     """
     where = os.fspath(path)
-    mm, size = map_file(where)
-    budget = DecodeBudget(where, size, max_decoded_bytes)
-    with decoding(where, FIX_DAMAGED):
-        return _open(where, mm, size, budget)
+    file = FileReader(where)
+    try:
+        budget = DecodeBudget(where, file.size, max_decoded_bytes)
+        with decoding(where, FIX_DAMAGED):
+            return _open(where, file, budget)
+    except BaseException:
+        file.close()
+        raise
 
 
-def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> ForeignCheckpoint:
-    buf = memoryview(mm) if mm is not None else memoryview(b"")
-    r = _Cursor(buf, where)
+def _open(where: str, file: FileReader, budget: DecodeBudget) -> ForeignCheckpoint:
+    r, size = _Cursor(file, where), file.size
     if size < 24:
         raise FormatError(f"{where}: {size} bytes is too small for an MXNet .params file")
     magic, reserved = r.u64(), r.u64()
@@ -157,8 +190,8 @@ def _open(where: str, mm: mmap.mmap | None, size: int, budget: DecodeBudget) -> 
         r.what = f"array #{i}"
         arrays.append(_read_array(r, i))
     names = _names(r, count)
-    sources = [_source(where, name, a, budget) for name, a in zip(names, arrays, strict=True)]
-    return build(where, sources, "mxnet", keep=mm)
+    sources = [_source(file, name, a, budget) for name, a in zip(names, arrays, strict=True)]
+    return build(where, sources, "mxnet", file=file)
 
 
 def _names(r: _Cursor, count: int) -> list[str]:
@@ -193,18 +226,20 @@ def _names(r: _Cursor, count: int) -> list[str]:
     return names or [f"arr_{i}" for i in range(count)]
 
 
-def _source(where: str, name: str, a: _Array, budget: DecodeBudget) -> Source:
-    """The save plan's record of one array: a slice of the map, or its densified bytes."""
+def _source(file: FileReader, name: str, a: _Array, budget: DecodeBudget) -> Source:
+    """The save plan's record of one array: its bytes in the file, read when asked for,
+    or its densified bytes."""
+    where = file.path
     if a.shape is None:
         raise FormatError(
             f"{where}: array {name!r} is an uninitialised ('none') NDArray with no "
             "values; initialise the parameter in MXNet and save again"
         )
     if a.stype == 0:
-        return plain(name, a.dtype, a.shape, a.data)
+        return Source(name, a.dtype, a.shape, ("name", name), file.span(*a.data, name))
     # Checked before the dense buffer exists; densifying in MXNet avoids the limit.
     budget.charge(f"sparse ({STYPES[a.stype]}) array {name!r}", numel(a.shape) * ITEMSIZE[a.dtype])
-    return plain(name, a.dtype, a.shape, _densify(where, name, a))
+    return plain(name, a.dtype, a.shape, _densify(file, name, a))
 
 
 def _shape(r: _Cursor) -> tuple[int, ...] | None:
@@ -223,7 +258,8 @@ def _shape(r: _Cursor) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
-def _payload(r: _Cursor, dtype: str, shape: tuple[int, ...]) -> memoryview:
+def _payload(r: _Cursor, dtype: str, shape: tuple[int, ...]) -> Span:
+    """Pass over an array's bytes; where in the file they lie."""
     # Python ints cannot overflow, so an absurd shape fails this comparison, not malloc.
     n = numel(shape) * ITEMSIZE[dtype]
     if n > r.left:
@@ -231,7 +267,7 @@ def _payload(r: _Cursor, dtype: str, shape: tuple[int, ...]) -> memoryview:
             f"{r.where}: {r.what} is {dtype}{list(shape)}, {n} bytes, but only {r.left} "
             f"bytes remain; {FIX_DAMAGED}"
         )
-    return r.take(n)
+    return r.skip(n), n
 
 
 def _dtype(r: _Cursor) -> str:
@@ -244,7 +280,7 @@ def _dtype(r: _Cursor) -> str:
 
 
 def _read_array(r: _Cursor, index: int) -> _Array:
-    empty = memoryview(b"")
+    empty = (r.pos, 0)  # a "none" array has no bytes
     magic = r.u32()
     if magic in (V2, V3):
         stype = r.i32()
@@ -300,10 +336,20 @@ def _ints(where: str, name: str, dtype: str, data: memoryview) -> list[int]:
     return list(struct.unpack(f"<{n}{codes[dtype]}", data))
 
 
-def _densify(where: str, name: str, a: _Array) -> bytearray:
-    """The dense C-order bytes of a ``row_sparse`` or ``csr`` array, indices checked."""
+def _densify(file: FileReader, name: str, a: _Array) -> bytearray:
+    """The dense C-order bytes of a ``row_sparse`` or ``csr`` array, indices checked.
+
+    Its stored values and indices (charged to the budget through the dense size, which
+    they cannot pass) are read here; the dense bytes stay in memory.
+    """
     assert a.shape is not None
-    size = ITEMSIZE[a.dtype]
+    where, size = file.path, ITEMSIZE[a.dtype]
+
+    def read(span: Span) -> memoryview:
+        return memoryview(file.exact(span[0], span[1], f"sparse array {name!r}"))
+
+    values = read(a.data)
+    aux = [(d, s, read(span)) for d, s, span in a.aux]
     out = bytearray(numel(a.shape) * size)
     kind = STYPES[a.stype]
 
@@ -311,22 +357,22 @@ def _densify(where: str, name: str, a: _Array) -> bytearray:
         return FormatError(f"{where}: sparse ({kind}) array {name!r}: {why}; {FIX_DAMAGED}")
 
     if a.stype == 1:
-        (idx_dtype, _, idx_data) = a.aux[0]
+        (idx_dtype, _, idx_data) = aux[0]
         rows = _ints(where, name, idx_dtype, idx_data)
         row = numel(a.shape[1:]) * size
-        if not a.shape or len(rows) * row != a.data.nbytes:
-            raise bad(f"{len(rows)} row indices do not match {a.data.nbytes} bytes of values")
+        if not a.shape or len(rows) * row != values.nbytes:
+            raise bad(f"{len(rows)} row indices do not match {values.nbytes} bytes of values")
         for k, i in enumerate(rows):
             if not 0 <= i < a.shape[0]:
                 raise bad(f"row index {i} is outside [0, {a.shape[0]})")
-            out[i * row : (i + 1) * row] = a.data[k * row : (k + 1) * row]
+            out[i * row : (i + 1) * row] = values[k * row : (k + 1) * row]
         return out
     if len(a.shape) != 2:
         raise bad(f"csr needs 2 dimensions, not {list(a.shape)}")
     n_rows, n_cols = a.shape
-    indptr = _ints(where, name, a.aux[0][0], a.aux[0][2])
-    cols = _ints(where, name, a.aux[1][0], a.aux[1][2])
-    if len(indptr) != n_rows + 1 or len(cols) * size != a.data.nbytes:
+    indptr = _ints(where, name, aux[0][0], aux[0][2])
+    cols = _ints(where, name, aux[1][0], aux[1][2])
+    if len(indptr) != n_rows + 1 or len(cols) * size != values.nbytes:
         raise bad(f"{len(indptr)} row pointers and {len(cols)} columns do not fit {n_rows} rows")
     if indptr[0] != 0 or indptr[-1] != len(cols):
         raise bad(f"row pointers run from {indptr[0]} to {indptr[-1]}, not 0 to {len(cols)}")
@@ -340,5 +386,5 @@ def _densify(where: str, name: str, a: _Array) -> bytearray:
             if not 0 <= c < n_cols:
                 raise bad(f"column index {c} is outside [0, {n_cols})")
             at = (r * n_cols + c) * size
-            out[at : at + size] = a.data[k * size : (k + 1) * size]
+            out[at : at + size] = values[k * size : (k + 1) * size]
     return out

@@ -6,10 +6,16 @@ the file, naming the global, if it references anything but the tensor-rebuild
 functions, storage classes, dtypes and ``collections.OrderedDict``). Only then is the
 file read:
 
-* with PyTorch installed, by ``torch.load(weights_only=True)`` (a second, independent
-  allow-list), memory-mapped for zip files;
-* without it, by the restricted unpickler of the zip format in :mod:`.torch_zip`, whose
-  storages are slices of a file map.
+* a zip file (what ``torch.save`` writes since PyTorch 1.6), with or without PyTorch,
+  by the restricted unpickler of :mod:`.torch_zip` (a second lock: it knows only
+  stand-ins for the allowed globals), which checks every tensor against its storage's
+  entry and then reads each storage once with ``preadv`` into memory of its own. No
+  mapping: a file cut short while it is read is a :class:`FormatError` naming the file
+  and the tensor, never a ``SIGBUS``. What it costs against ``torch.load`` and
+  safetensors: docs/_bench_pt_open.md (``bench/bench_pt_open.py``);
+* a legacy (pre-1.6) file, whose storages follow its pickles unframed, by
+  ``torch.load(weights_only=True)`` (a second, independent allow-list), which needs
+  PyTorch.
 
 Tensors that share a storage come through as aliases (same layout) or views (overlapping
 parts), exactly as :func:`weightvault.torch.save` would record them; equal bytes under
@@ -26,19 +32,20 @@ elements over 4 bytes would otherwise be expanded in full).
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import zipfile
 from collections.abc import Callable
-from typing import Any, cast
+from typing import IO, Any
 
 from .._base.dtypes import ITEMSIZE, contiguous, numel
 from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
 from .._base.types import PathLike
 from .._file.sharing import Source
-from ._common import ForeignCheckpoint, build, decoding, map_file
+from ._common import ForeignCheckpoint, build, decoding
 from .pickle_scan import FIX_DAMAGED, FIX_UNSAFE, scan, scan_legacy
-from .torch_zip import StandIn, stand_in_source, unpickle_zip, zip_pickle
+from .torch_zip import StandIn, read_storages, stand_in_source, unpickle_zip, zip_pickle
 
 #: Dict keys that become part of a name; their text is bounded by the pickle's own bytes.
 KEY_TYPES = (str, int, float, type(None))
@@ -72,31 +79,46 @@ def open_torch(path: PathLike, *, max_decoded_bytes: int | None = None) -> Forei
 
 def _open(where: str, size: int, limit: int | None) -> ForeignCheckpoint:
     budget = DecodeBudget(where, size, limit)
-    is_zip = _scan_file(where, budget)
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        if not is_zip:
+    # One descriptor for the scan and every read: the pickle unpickled is the one scanned.
+    with open(where, "rb") as f:
+        found = _scan_file(where, f, budget)
+        if found is not None:
+            return _open_zip(where, f, *found, budget)
+        try:
+            import torch  # noqa: F401
+        except ImportError:
             raise FormatError(
                 f"{where}: the legacy (pre-1.6) torch.save format needs PyTorch to read; "
                 "install torch, or re-save the file with a current torch"
             ) from None
-        return _open_without_torch(where, budget)
-    return _open_with_torch(where, is_zip, budget)
+        return _open_legacy(where, f, budget)
 
 
-def _scan_file(where: str, budget: DecodeBudget) -> bool:
-    """Scan every pickle in the file before anything loads one; whether it is a zip."""
+def _scan_file(
+    where: str, f: IO[bytes], budget: DecodeBudget
+) -> tuple[zipfile.ZipFile, str, bytes] | None:
+    """Scan every pickle in the file before anything loads one.
+
+    Returns:
+        For a zip, the archive, its prefix and the ``data.pkl`` that passed (charged to
+        ``budget``); ``None`` for a legacy file.
+    """
     try:
-        with zipfile.ZipFile(where) as z:
-            _, data = zip_pickle(z, where, budget)
-        scan(io.BytesIO(data), where)
-        return True
+        z = zipfile.ZipFile(f)
     except zipfile.BadZipFile:
-        pass
-    mm, _ = map_file(where)
-    if mm is None:
+        z = None
+    if z is not None:
+        try:
+            prefix, data = zip_pickle(z, where, budget)
+            scan(io.BytesIO(data), where)
+        except BaseException:
+            z.close()
+            raise
+        return z, prefix, data
+    if os.fstat(f.fileno()).st_size == 0:
         raise FormatError(f"{where}: the file is empty")
+    # Still a map: a pickle's length is known only once it is parsed. Legacy files only.
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     buf = memoryview(mm)
     try:
         count = scan_legacy(buf, where)
@@ -108,7 +130,7 @@ def _scan_file(where: str, budget: DecodeBudget) -> bool:
             f"{where}: a plain pickle, not a torch.save file; save the tensors with "
             "torch.save or weightvault.torch.save"
         )
-    return False
+    return None
 
 
 def _flatten(
@@ -153,18 +175,31 @@ def _tensors(obj: Any, where: str, is_tensor: IsTensor, budget: DecodeBudget) ->
     return out
 
 
-def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignCheckpoint:
+def _open_zip(
+    where: str, f: IO[bytes], z: zipfile.ZipFile, prefix: str, data: bytes, budget: DecodeBudget
+) -> ForeignCheckpoint:
+    """A zip file through the stand-ins, whether or not PyTorch is installed."""
+    with z:
+        obj = unpickle_zip(z, prefix, data, where)
+    tensors = _tensors(obj, where, lambda v: isinstance(v, StandIn), budget)
+    for name, t in tensors.items():
+        if not contiguous(t.shape, t.stride):
+            _charge_strided(budget, name, numel(t.shape) * ITEMSIZE[t.dtype])
+    read_storages(f.fileno(), where, tensors)
+    return build(where, [stand_in_source(n, t) for n, t in tensors.items()], "pt")
+
+
+def _open_legacy(where: str, f: IO[bytes], budget: DecodeBudget) -> ForeignCheckpoint:
+    """A legacy file through ``torch.load``: its storages follow its pickles unframed,
+    which only torch's reader knows how to walk."""
     import torch
     from torch import nn
 
     from .._torch.tensors import layout_identity, tensor_source as source
 
-    if is_zip:
-        _validate_zip(where, budget.requested)
+    f.seek(0)
     try:
-        # Read, not mapped (mmap=True): touching a mapping of a file cut short meanwhile
-        # kills the process with SIGBUS, where torch's reads raise.
-        obj = torch.load(where, map_location="cpu", weights_only=True, mmap=False)
+        obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
         raise FormatError(
             f"{where}: torch.load(weights_only=True) refused the file "
@@ -191,49 +226,3 @@ def _open_with_torch(where: str, is_zip: bool, budget: DecodeBudget) -> ForeignC
 
 def _charge_strided(budget: DecodeBudget, name: str, nbytes: int) -> None:
     budget.charge(f"tensor {name!r} (not contiguous, so copied)", nbytes)
-
-
-def _open_without_torch(where: str, budget: DecodeBudget) -> ForeignCheckpoint:
-    mm, _ = map_file(where)
-    if mm is None:
-        raise FormatError(f"{where}: the file is empty")
-    obj = unpickle_zip(where, memoryview(mm), budget)
-    tensors = _tensors(obj, where, lambda v: isinstance(v, StandIn), budget)
-    for name, t in tensors.items():
-        if not contiguous(t.shape, t.stride):
-            _charge_strided(budget, name, numel(t.shape) * ITEMSIZE[t.dtype])
-    return build(where, [stand_in_source(n, t) for n, t in tensors.items()], "pt", keep=mm)
-
-
-def _validate_zip(where: str, limit: int | None) -> None:
-    """Check every tensor lies inside its storage entry before torch reads the file.
-
-    ``torch.load`` trusts the sizes in the pickle, so a crafted file could make a tensor
-    read past its entry. Only the zip's directory, its local headers and the pickle are
-    read here (:class:`_Sparse`): reading the whole file as well as torch's own read
-    made opening a GPT-2 ``.pt`` 3.2x slower.
-    """
-    with open(where, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise FormatError(f"{where}: the file is empty")
-        # Its own budget: this pass only checks, and the real open charges the same names.
-        budget = DecodeBudget(where, size, limit)
-        buf = cast(memoryview, _Sparse(f.fileno(), 0, size))
-        _tensors(unpickle_zip(where, buf, budget), where, lambda v: isinstance(v, StandIn), budget)
-
-
-class _Sparse:
-    """The part of a memoryview's interface a bounds check uses (``nbytes``, slicing,
-    ``bytes()`` of a short slice), over a file: a slice is read only when its bytes
-    are asked for, so checking a storage's bounds reads nothing of it."""
-
-    def __init__(self, fd: int, start: int, stop: int) -> None:
-        self.fd, self.start, self.nbytes = fd, start, max(0, stop - start)
-
-    def __getitem__(self, key: slice) -> _Sparse:
-        lo, hi, _ = key.indices(self.nbytes)
-        return _Sparse(self.fd, self.start + lo, self.start + max(lo, hi))
-
-    def __bytes__(self) -> bytes:
-        return os.pread(self.fd, self.nbytes, self.start)
