@@ -14,9 +14,10 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "weightvault"
 
-#: Lowest first. A module's layer is that of its folder (``_vault.writing.commit`` is in ``_vault``),
-#: so a new module in an existing folder needs no entry here; the public top-level modules
-#: are named one by one. A module may import its own layer (acyclically) and any below.
+#: Lowest first. A module's layer is that of its folder (``_vault.writing.commit`` is in
+#: ``_vault``), so a new module in an existing folder needs no entry here; the public
+#: top-level modules are named one by one. A module may import its own layer (acyclically)
+#: and any below.
 LAYERS: list[tuple[str, set[str]]] = [
     ("base: errors, types, dtypes, reports, limits, atomic files", {"_base"}),
     ("one file: header, manifest, sharing plan, writer, reader, arrays", {"_file"}),
@@ -27,7 +28,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("whole-file tools: inspect, convert", {"_tools"}),
     ("adapters", {"torch", "keras", "numpy", "jax"}),
     ("the vault", {"_vault"}),
-    ("distributed and training loops", {"dcp", "_dcp", "integrations"}),
+    ("rank collectives: world, agree, announce", {"_ranks"}),
+    ("distributed: DCP", {"dcp", "_dcp"}),
+    ("training loops", {"integrations"}),
     ("facade", {""}),
     ("command line", {"_cli", "__main__"}),
 ]
@@ -87,34 +90,35 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _layer_of() -> dict[str, int]:
-    """``{module: layer index}`` for every module of the package, by its folder."""
+def _layer_of(
+    graph: dict[str, set[str]] | None = None, layers: list[tuple[str, set[str]]] = LAYERS
+) -> dict[str, int]:
+    """``{module: layer index}`` for every module of ``graph`` (the package's), by folder."""
     units: dict[str, int] = {}
-    for i, (_, members) in enumerate(LAYERS):
+    for i, (_, members) in enumerate(layers):
         for m in members:
             assert m not in units, f"{m!r} is in two layers"
             units[m] = i
-    return {m: units[unit(m)] for m in import_graph() if unit(m) in units}
+    graph = import_graph() if graph is None else graph
+    return {m: units[unit(m)] for m in graph if unit(m) in units}
 
 
-def test_every_module_has_a_layer() -> None:
-    missing = sorted(set(import_graph()) - set(_layer_of()))
-    assert not missing, f"give these modules a layer in LAYERS: {missing}"
-
-
-def test_no_module_imports_a_higher_layer() -> None:
-    layer = _layer_of()
-    bad = [
-        f"{m or 'weightvault'} ({LAYERS[layer[m]][0]}) imports {d} ({LAYERS[layer[d]][0]})"
-        for m, deps in import_graph().items()
+def upward_imports(
+    graph: dict[str, set[str]], layers: list[tuple[str, set[str]]] = LAYERS
+) -> list[str]:
+    """Each import in ``graph`` of a module in a higher layer than the importer's."""
+    layer = _layer_of(graph, layers)
+    return [
+        f"{m or 'weightvault'} ({layers[layer[m]][0]}) "
+        f"imports {d or 'weightvault'} ({layers[layer[d]][0]})"
+        for m, deps in graph.items()
         for d in sorted(deps)
         if m in layer and d in layer and layer[d] > layer[m]
     ]
-    assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycles() -> None:
-    graph = import_graph()
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph``, each as the path that closes it (first module last too)."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     stack: list[str] = []
     cycles: list[list[str]] = []
@@ -133,7 +137,60 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m)
+    return cycles
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = sorted(set(import_graph()) - set(_layer_of()))
+    assert not missing, f"give these modules a layer in LAYERS: {missing}"
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    bad = upward_imports(import_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(import_graph())
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checks_fail_on_an_upward_import_and_on_a_cycle() -> None:
+    # The checkers on a graph small enough to know the answer: they must find what they
+    # are there to find, or the package's passing them proves nothing.
+    layers = [("low", {"_low"}), ("mid", {"mid"}), ("high", {""})]
+    fine = {"_low.a": set(), "_low.b": {"_low.a"}, "mid": {"_low.b"}, "": {"mid", "_low.a"}}
+    assert upward_imports(fine, layers) == []
+    assert import_cycles(fine) == []
+    up = {**fine, "_low.a": {"mid"}}
+    assert upward_imports(up, layers) == ["_low.a (low) imports mid (mid)"]
+    assert import_cycles(up) == [["_low.a", "mid", "_low.b", "_low.a"]]
+    assert upward_imports({**fine, "mid": {""}}, layers) == ["mid (mid) imports weightvault (high)"]
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        ("_dcp.peers", "integrations.transformers"),  # DCP's half on a training loop
+        ("dcp", "integrations.lightning"),
+        ("_ranks.failures", "_dcp.peers"),  # the rank collectives on DCP
+        ("_ranks.world", "dcp"),
+        ("_vault.vault", "_ranks.world"),
+    ],
+)
+def test_the_layers_forbid_distributed_importing_loops_and_ranks_importing_either(
+    importer: str, imported: str
+) -> None:
+    # The package's own graph with one import added that the layers forbid: DCP once
+    # stood in one layer with the training loops, so its half could lean on a loop's
+    # helper and no check saw it.
+    graph = import_graph()
+    assert importer in graph and imported in graph, "a module of this test was renamed"
+    layer = _layer_of(graph)
+    assert upward_imports({**graph, importer: graph[importer] | {imported}}) == [
+        f"{importer} ({LAYERS[layer[importer]][0]}) imports {imported} "
+        f"({LAYERS[layer[imported]][0]})"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -58,12 +58,14 @@ from ._base.errors import (
 )
 from ._dcp.async_save import async_group, start
 from ._dcp.index import VaultLoadPlanner
-from ._dcp.peers import broken, vote
+from ._dcp.peers import FIX, OUTCOME, broken
 from ._dcp.planner import VaultSavePlanner
 from ._dcp.reader import ReadStats, SharingReader, VaultReader
 from ._dcp.resume import Flags, apply_flags, fqn, install_state, optimizer_template
 from ._dcp.writer import VaultWriter
-from ._vault.records.record import CheckpointRecord, record_key
+from ._ranks import agree
+from ._vault.records.names import record_key
+from ._vault.records.record import CheckpointRecord
 from ._vault.vault import Vault, VaultLike, as_vault
 
 __all__ = [
@@ -212,7 +214,7 @@ def save(
         writer = VaultWriter(v, name, metadata=metadata)
     except Exception as e:  # every rank must reach the vote, or the others wait in DCP
         error = e
-    vote(error, what)
+    agree(error, what, FIX, outcome=OUTCOME, raise_own=True, broken=broken)
     _collective(
         what,
         lambda: dcp_save(state, storage_writer=writer, planner=planner, no_dist=_no_dist()),
@@ -264,7 +266,14 @@ def async_save(
         writer = VaultWriter(v, name, metadata=metadata, staging_bytes=budget)
     except Exception as e:  # every rank must reach the vote, or the others wait in DCP
         error = e
-    vote(error, f"{v.url}: starting the save of checkpoint {name or '(next)'}")
+    agree(
+        error,
+        f"{v.url}: starting the save of checkpoint {name or '(next)'}",
+        FIX,
+        outcome=OUTCOME,
+        raise_own=True,
+        broken=broken,
+    )
     group = async_group()
 
     def run() -> CheckpointRecord:
@@ -352,7 +361,7 @@ def load(
     except Exception as e:  # every rank must reach the vote, or the others wait in DCP
         error = e
     try:
-        vote(error, what)
+        agree(error, what, FIX, outcome=OUTCOME, raise_own=True, broken=broken)
         _collective(
             what,
             lambda: dcp_load(state, storage_reader=reader, planner=planner, no_dist=_no_dist()),
@@ -367,7 +376,7 @@ def load(
             _set_state(model, optimizer, state, strict, added)
         except Exception as e:
             error = e
-        vote(error, what)
+        agree(error, what, FIX, outcome=OUTCOME, raise_own=True, broken=broken)
     except BaseException:
         if flags is not None:
             flags.restore()  # the load failed: the model keeps its own flags

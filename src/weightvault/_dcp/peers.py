@@ -32,12 +32,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .._base.dtypes import numel
-from .._base.errors import DistributedCheckpointError, capped
-from ..integrations._ranks import portable, revive
+from .._base.errors import DistributedCheckpointError
 from .planner import storage_key
 from .ranged import host_bytes
 
 __all__ = [
+    "FIX",
+    "OUTCOME",
     "Exchange",
     "Shares",
     "Stamp",
@@ -45,7 +46,6 @@ __all__ = [
     "broken",
     "own_reads",
     "prepare",
-    "vote",
 ]
 
 
@@ -126,46 +126,11 @@ def own_reads(tensors: Sequence[ReadItem], shares: Shares | None) -> list[ReadIt
     return [r for i, r in enumerate(tensors) if i not in elsewhere]
 
 
-def vote(error: BaseException | None, what: str, group: Any = None) -> None:
-    """Raise on every rank when any rank failed its part of ``what``; collective.
-
-    Every rank calls it, failed or not, so it must sit where no rank can skip it: before
-    DCP's call (a failed setup) or after it returned on every rank (DCP's own gathers have
-    said that every rank succeeded). It is one ``all_gather_object`` of a short text.
-
-    Raises:
-        BaseException: This rank's own ``error``, as it is.
-        DistributedCheckpointError: Another rank failed (``failures`` maps each failed
-            rank to its error, rebuilt from its pickle where it has one), or the process
-            group broke under the vote (a rank died).
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        if error is not None:
-            raise error
-        return
-    mine = None if not isinstance(error, Exception) else portable(error)
-    if error is not None and mine is None:
-        mine = (f"{type(error).__name__}: {error}", None)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    try:
-        dist.all_gather_object(everyone, mine, group=group)
-    except RuntimeError as e:
-        if error is not None:
-            raise error from None
-        raise broken(what, e) from e
-    if error is not None:
-        raise error
-    failures: dict[int, BaseException] = {
-        r: revive(x) for r, x in enumerate(everyone) if x is not None
-    }
-    if failures:
-        shown = capped(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(failures.items()))
-        raise DistributedCheckpointError(
-            f"{what} failed on {len(failures)} of {len(everyone)} rank(s): {shown}; every "
-            "rank raises, and nothing was committed or read in part: fix that rank's error "
-            "and call it again",
-            failures,
-        )
+#: What :mod:`weightvault.dcp` says, once a rank failed, between the failed ranks and
+#: :data:`FIX` (``agree``'s ``outcome``): every rank raises, and nothing is left in part.
+OUTCOME = "every rank raises, and nothing was committed or read in part: "
+#: The fix :mod:`weightvault.dcp` suggests for a rank that failed.
+FIX = "fix that rank's error and call it again"
 
 
 def broken(what: str, error: RuntimeError) -> DistributedCheckpointError:

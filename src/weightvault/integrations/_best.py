@@ -25,10 +25,10 @@ from transformers import TrainerControl
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from .._base.errors import VaultNotFoundError
+from .._ranks import agree, gather, rank, world_size
 from .._vault.vault import Vault
 from ._common import BEST, best_name, best_url
 from ._rank_rng import rank_rng
-from ._ranks import agree, gather, rank, world_size
 
 __all__ = [
     "FIX", "STATE_KEY", "Due", "SavePoints", "check_best", "resumed_best", "rng_as", "stateful",

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Sequence
 
 from .._base.errors import BackendNotInstalled, CheckpointNotFoundError, VaultNotFoundError
-from .._vault.records.record import creation_order
+from .._vault.records.order import creation_order
 from .._vault.travel.mirror import Mirror
 from .._vault.vault import GC_PACE, Vault, VaultLike
 

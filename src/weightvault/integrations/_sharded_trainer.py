@@ -33,11 +33,11 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .._base.errors import DistributedCheckpointError, TrainingStateError
+from .._ranks import agree, gather, rank
 from .._training import codec as _codec
 from .._vault.vault import Vault
 from ._common import discard
 from ._rank_rng import RANKS_KEY, decode_ranks
-from ._ranks import agree, gather, rank
 
 __all__ = ["SCHEDULER_KEY", "LoadSharded", "resume_sharded", "save_sharded", "unwrap"]
 

@@ -30,12 +30,12 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise not_installed("lightning", "Lightning and PyTorch") from e
 
 from .._base.errors import DistributedCheckpointError, TrainingStateError
+from .._ranks import announce, announced, rank, world_size
 from .._training import codec as _codec
 from .._vault.records.checkpoint import VaultCheckpoint
 from .._vault.upkeep.retain import drop_training_except_last
 from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file
-from ._ranks import announce, announced, rank, world_size
 
 __all__ = ["VaultCheckpointIO", "checkpoint_name"]
 

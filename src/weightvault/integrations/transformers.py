@@ -53,6 +53,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 from .. import _training
 from .._base.errors import TrainingStateError, UnsupportedValueError
 from .._file.checkpoint import Checkpoint
+from .._ranks import agree, rank, sharded_parameter
 from .._torch.tensors import stored_tensor
 from .._training import codec as _codec
 from .._vault.records.dcp import DcpCheckpoint
@@ -60,7 +61,6 @@ from .._vault.vault import VaultLike, as_vault
 from ..torch import load_file as _load_file, save as _save
 from ._best import FIX, STATE_KEY, Due, SavePoints, check_best, rng_as, trainer_callbacks
 from ._rank_rng import RANKS_KEY, decode_ranks, encode_ranks, rank_rng
-from ._ranks import agree, rank, sharded_parameter
 from ._sharded_trainer import resume_sharded, save_sharded, unwrap
 
 __all__ = ["VaultCallback", "checkout", "resume"]
