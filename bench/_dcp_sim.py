@@ -37,7 +37,7 @@ from weightvault import Vault
 from weightvault._dcp.plancache import same_plan, unchanged
 from weightvault._dcp.record import Written
 from weightvault._dcp.writer import chunk_table
-from weightvault._vault.objects.access import content_hash, object_key
+from weightvault._vault.objects.address import content_hash, object_key
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

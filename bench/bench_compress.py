@@ -296,7 +296,7 @@ def _cpu_floor(model: Any, opt: Any, parent: Any) -> dict[str, float]:
     weights as differences to the checkpoint before, the moments in full). CPU seconds of
     the whole process (blake3 and blosc2 use threads of their own), minimum of 3;
     divided by the cores, the least wall time a save can take."""
-    from weightvault._vault.objects.access import content_hash
+    from weightvault._vault.objects.address import content_hash
     from weightvault._vault.objects.codec import BLOCK, CODECS, DEFAULT, compress_block
 
     weights = [p.detach().contiguous().view(torch.uint8).numpy() for p in model.parameters()]
@@ -370,7 +370,7 @@ def _decode_floor(model: Any) -> float:
     """The CPU seconds that decompressing and checksumming this model's compressed
     objects takes (minimum of 3), over the cores: the least a verified load of them can
     take before it copies a byte."""
-    from weightvault._vault.objects.access import checksum
+    from weightvault._vault.objects.address import checksum
     from weightvault._vault.objects.codec import (
         BLOCK,
         CODECS,

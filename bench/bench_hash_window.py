@@ -52,8 +52,8 @@ from _common import machine, med, run_rounds, table
 
 import weightvault
 import weightvault._file.checkpoint as file_checkpoint
-import weightvault._vault.objects.access as objects
 import weightvault._vault.objects.frame as frame
+import weightvault._vault.objects.read as objects
 
 OLD, NEW = 4 << 20, file_checkpoint.HASH_WINDOW
 

@@ -31,8 +31,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import machine, med, table
 
 from weightvault import Vault
-from weightvault._vault.records.record import creation_order, list_records, record_key, resolve
-from weightvault._vault.upkeep.compact import _Records
+from weightvault._vault.records.names import record_key
+from weightvault._vault.records.order import creation_order, resolve
+from weightvault._vault.records.reading import list_records
+from weightvault._vault.upkeep.records_cache import Records as _Records
 
 
 def fill(root: str, records: int) -> Vault:

@@ -48,6 +48,7 @@ import weightvault._vault.records.intents as _intents
 import weightvault._vault.records.record as _records
 import weightvault._vault.store.identity as _marker
 import weightvault._vault.store.pack as _pack
+import weightvault._vault.store.seal as _seal
 import weightvault._vault.writing.commit as _commit
 from weightvault import Vault
 
@@ -140,7 +141,7 @@ def _micro(folder: Path) -> dict[str, float]:
     cases = {
         "seal the record": lambda: _records.encode_record(doc),
         "write it plain": lambda: _plain(doc),
-        "check the record's seal": lambda: _records.unseal(raw, dict(doc), "x"),
+        "check the record's seal": lambda: _seal.unseal(raw, dict(doc), "x"),
         "seal the pack index": lambda: _pack.seal_json(idoc, sort_keys=True),
         "check the index's seal": lambda: _pack.unseal(
             index, dict(idoc), "x", "i", sealed=True, fix=""

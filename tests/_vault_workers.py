@@ -142,7 +142,7 @@ def gc_loop(root: str, go_file: str, stop_file: str) -> None:
 
 
 def gc_stop(root: str, stale: float, when: str) -> None:
-    from weightvault._vault.upkeep import gc as _gc
+    from weightvault._vault.store import lease as _gc
 
     _gc.GC_STALE_SECONDS = stale
     _gc.GC_HEARTBEAT_SECONDS = stale / 5

@@ -150,7 +150,7 @@ def test_retain_drops_a_dcp_checkpoints_optimizer_state_and_keeps_its_weights(
     """``retain(training_state_last=1)`` on an FSDP2 vault (per-rank chunk tables): the
     older checkpoint keeps its weights (load and export bitwise), refuses its optimizer
     state naming itself, and gc frees the optimizer chunks; the newest resumes bitwise."""
-    from weightvault._vault.objects.access import object_key
+    from weightvault._vault.objects.address import object_key
 
     root = tmp_path / "vault"
     shutil.copytree(saved["root"], root)

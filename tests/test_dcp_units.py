@@ -22,7 +22,7 @@ pytest.importorskip("torch.distributed.checkpoint")
 import weightvault  # noqa: E402
 from weightvault._dcp.index import ChunkIndex  # noqa: E402
 from weightvault._dcp.ranged import read_box, span  # noqa: E402
-from weightvault._vault.objects.access import content_hash, object_key  # noqa: E402
+from weightvault._vault.objects.address import content_hash, object_key  # noqa: E402
 from weightvault._vault.records.dcp_layout import Chunk, encode_table, encode_tensor, parse_layout  # noqa: E402
 from weightvault._vault.store.backend import LocalStore  # noqa: E402
 

@@ -29,6 +29,9 @@ pytest.importorskip("blosc2")
 from torch import nn  # noqa: E402
 
 import weightvault._vault.upkeep.compact as compact_module  # noqa: E402
+import weightvault._vault.upkeep.policy as policy_module  # noqa: E402
+import weightvault._vault.upkeep.records_cache as records_cache  # noqa: E402
+import weightvault._vault.upkeep.reencode as reencode_module  # noqa: E402
 from _vault_workers import assert_bitwise  # noqa: E402
 from test_vault_crash import worker_env  # noqa: E402
 from weightvault import Vault  # noqa: E402
@@ -318,8 +321,8 @@ def test_a_weights_only_oldest_is_looked_at_again_only_when_a_retain_marked_it(
     vault.compact()
     assert frame(tmp_path, digests(tmp_path, "000001")["t0"]).base is None  # resumable: whole
     calls: list[str] = []
-    real = compact_module._delta_oldest
-    monkeypatch.setattr(compact_module, "_delta_oldest", lambda *a: calls.append(a[2]) or real(*a))
+    real = policy_module.delta_oldest
+    monkeypatch.setattr(policy_module, "delta_oldest", lambda *a: calls.append(a[2]) or real(*a))
     vault.retain(training_state_last=1)
     assert compact_module.pending(vault.store) == ["000001"]
     vault.compact()
@@ -340,13 +343,13 @@ def test_a_pass_orders_the_checkpoints_from_record_starts_and_reads_few_whole(
     whole only the records whose tensors it handles; the order is what the records say
     (the oracle: ``list()``, which reads each one whole)."""
     whole: list[str] = []
-    real = compact_module.read_doc
+    real = records_cache.read_doc
 
     def counted(store: Any, name: str) -> Any:
         whole.append(name)
         return real(store, name)
 
-    monkeypatch.setattr(compact_module, "read_doc", counted)
+    monkeypatch.setattr(records_cache, "read_doc", counted)
     vault = Vault(tmp_path, delta_chain=2)
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(1 << 12, generator=g) for i in range(3)}
@@ -358,7 +361,7 @@ def test_a_pass_orders_the_checkpoints_from_record_starts_and_reads_few_whole(
         vault.wait()
         reads[n] = len(whole)
     assert max(reads.values()) <= 6, sorted(reads.items())
-    assert compact_module._Records(vault.store).names == [r.name for r in vault.list()]
+    assert records_cache.Records(vault.store).names == [r.name for r in vault.list()]
     got = Holder(state)
     vault.load(got)
     assert_bitwise(dict(got.state_dict()), state)
@@ -417,14 +420,14 @@ def test_an_object_a_gc_freed_meanwhile_is_not_reported_as_damaged(
     vault = Vault(tmp_path, compaction=None)
     history(vault, 3, tensors=2)
     gone = digests(tmp_path, "000002")["t1"]
-    real = compact_module.read_object
+    real = reencode_module.read_object
 
     def freed(store: Any, digest: str, nbytes: int) -> Any:
         if digest == gone:
             raise FileNotFoundError(digest)  # what a gc that freed it leaves a reader
         return real(store, digest, nbytes)
 
-    monkeypatch.setattr(compact_module, "read_object", freed)
+    monkeypatch.setattr(reencode_module, "read_object", freed)
     report = vault.compact()
     assert report.damaged == []
     assert frame(tmp_path, digests(tmp_path, "000002")["t0"]).base is not None  # the rest done

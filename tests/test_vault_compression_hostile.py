@@ -25,9 +25,9 @@ from torch import nn  # noqa: E402
 
 from weightvault import FormatError, Vault  # noqa: E402
 from weightvault._file.checkpoint import HASH_WINDOW  # noqa: E402
-from weightvault._vault.objects.access import read_range  # noqa: E402
 from weightvault._vault.objects.codec import CODECS  # noqa: E402
 from weightvault._vault.objects.frame import HEADER_SIZE, blocks_intact, encode_frame, parse_frame  # noqa: E402
+from weightvault._vault.objects.read import read_range  # noqa: E402
 
 N = 1 << 14  # floats: 64 KiB, one block
 

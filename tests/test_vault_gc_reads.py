@@ -28,8 +28,9 @@ import weightvault  # noqa: E402
 from _vault_workers import assert_bitwise  # noqa: E402
 from weightvault import FormatError, Vault  # noqa: E402
 from weightvault._vault.records.checkpoint import open_record  # noqa: E402
-from weightvault._vault.records.record import read_doc, record_names  # noqa: E402
-from weightvault._vault.upkeep import gc as gc_module  # noqa: E402
+from weightvault._vault.records.names import record_names  # noqa: E402
+from weightvault._vault.records.reading import read_doc  # noqa: E402
+from weightvault._vault.upkeep import gc as gc_module, live as live_module  # noqa: E402
 
 #: No thread is waited on longer than this (seconds).
 BOUND = 60
@@ -74,12 +75,12 @@ def test_gc_names_the_objects_a_load_reads_without_building_the_record(
     for name in record_names(vault.store):
         doc = read_doc(vault.store, name)
         want = set(open_record(vault.store, name, doc).objects.values())
-        assert gc_module.named_objects(vault.store, name, doc) == want
+        assert live_module.named_objects(vault.store, name, doc) == want
 
     def refuse(*_: Any) -> Any:
         raise AssertionError("gc built a record as a load does")
 
-    monkeypatch.setattr(gc_module, "open_record", refuse)
+    monkeypatch.setattr(live_module, "open_record", refuse)
     vault.save({k: v + 1 for k, v in model.state_dict().items()})  # older state dropped
     vault.gc()
     monkeypatch.undo()
@@ -127,14 +128,14 @@ def test_a_save_does_not_wait_for_a_gc_of_its_own_process(
     vault = Vault(tmp_path, gc_wait=3, compaction=None)
     model, opt = _run(vault, 2)
     inside, release = threading.Event(), threading.Event()
-    real = gc_module.with_bases
+    real = live_module.with_bases
 
     def held(*args: Any, **kwargs: Any) -> Any:
         inside.set()
         release.wait(BOUND)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gc_module, "with_bases", held)
+    monkeypatch.setattr(live_module, "with_bases", held)
     errors: list[BaseException] = []
 
     def run_gc() -> None:
@@ -184,7 +185,7 @@ def test_a_retain_after_every_save_reads_only_the_new_records_whole(
 ) -> None:
     """The integrations call ``retain(training_state_last=N)`` after every save: it read
     every record whole, twice, each time (37-68 ms a save after 300 checkpoints)."""
-    from weightvault._vault.records import record as records_module
+    from weightvault._vault.records import order as records_module
     from weightvault._vault.upkeep import retain as retain_module
 
     whole: list[str] = []

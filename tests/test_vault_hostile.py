@@ -28,8 +28,8 @@ from _records import read as read_record, seal  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import CheckpointNameError, FormatError, Vault, WeightvaultError  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
+from weightvault._vault.store import lease as _gc  # noqa: E402
 from weightvault._vault.store.backend import check_key  # noqa: E402
-from weightvault._vault.upkeep import gc as _gc  # noqa: E402
 
 # These tests poke objects/ by path: packs have their own (test_vault_packs.py).
 pytestmark = pytest.mark.usefixtures("loose_saves")

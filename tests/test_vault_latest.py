@@ -23,13 +23,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _records import read as read_record, seal
 from weightvault import CheckpointNotFoundError, FormatError, Vault
-from weightvault._vault.records.record import (
-    creation_order,
-    head_fields,
-    list_records,
-    record_key,
-    resolve,
-)
+from weightvault._vault.records.names import record_key
+from weightvault._vault.records.order import creation_order, head_fields, resolve
+from weightvault._vault.records.reading import list_records
 from weightvault._vault.store.backend import LocalStore
 
 

@@ -13,8 +13,11 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
+from _records import read as read_record  # noqa: E402
 from weightvault import ChecksumError, TrainingStateError, Vault  # noqa: E402
-from weightvault._vault.records.record import read_sealed  # noqa: E402
+from weightvault._vault.records.reading import read_sealed  # noqa: E402
+
+FRAME_MAGIC = b"\x89WVO\r\n\x1a\n"  # what a compressed or delta object starts with
 
 FIXTURE = Path(__file__).with_name("fixtures") / "legacy_vault"
 EXPECTED = json.loads(FIXTURE.with_name("legacy_vault.expected.json").read_text())
@@ -83,3 +86,69 @@ def test_marking_an_old_record_seals_it_and_a_changed_byte_is_then_refused(
     tmp.replace(path)
     with pytest.raises(ChecksumError, match="step-2"):
         vault.load(_model(), "step-2")
+
+
+def _frames(root: Path, doc: dict[str, object]) -> set[str]:
+    """The stored names of ``doc`` whose object is a frame (compressed or a delta)."""
+    objects = doc["objects"]
+    assert isinstance(objects, dict)
+    out = set()
+    for stored, digest in objects.items():
+        path = root / "objects" / digest[:2] / digest
+        if path.is_file() and path.read_bytes()[:8] == FRAME_MAGIC:
+            out.add(stored)
+    return out
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_an_old_records_damaged_tensor_sum_changes_nothing_or_is_refused_untouched(
+    tmp_path: Path, verify: bool
+) -> None:
+    """A record without a seal can carry a damaged checksum of a tensor, raw or a frame; the
+    load then refuses it before assigning anything, or loads the object's exact bytes."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    root = tmp_path / "v"
+    vault = Vault(root, compression="blosc2")
+    saved = []
+    for _ in range(3):
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        vault.save(model)
+        saved.append({k: v.clone() for k, v in model.state_dict().items()})
+    vault.wait()
+    vault.compact()
+    names = [r.name for r in vault.list()]
+    checked = 0
+    for name, weights in zip(names, saved, strict=True):
+        path = root / "checkpoints" / f"{name}.json"
+        doc = read_record(path)
+        doc["version"] = 1
+        doc.pop("labels", None)
+        frames = _frames(root, doc)
+        for stored in sorted(doc["objects"]):
+            header = json.loads(doc["header"])
+            manifest = json.loads(header["__metadata__"]["weightvault"])
+            digit = manifest["sums"][stored][0]
+            manifest["sums"][stored] = ("0" if digit != "0" else "1") + manifest["sums"][stored][1:]
+            header["__metadata__"]["weightvault"] = json.dumps(manifest, separators=(",", ":"))
+            damaged = dict(doc, header=json.dumps(header, separators=(",", ":")))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(damaged))
+            tmp.replace(path)
+            assert not read_sealed(vault.store, name)[1]
+            target = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+            before = {k: v.clone() for k, v in target.state_dict().items()}
+            try:
+                Vault(root).load(target, name, verify=verify)
+            except ChecksumError as e:
+                assert stored in str(e)
+                after = target.state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before), name
+            else:
+                after = target.state_dict()
+                assert all(torch.equal(weights[k], after[k]) for k in weights), name
+            checked += stored in frames
+    assert checked >= 4  # the older checkpoints' objects are frames

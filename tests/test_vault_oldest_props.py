@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from weightvault import Vault  # noqa: E402
 from weightvault._file.layout import is_training  # noqa: E402
-from weightvault._vault.objects.access import object_file  # noqa: E402
+from weightvault._vault.objects.file import object_file  # noqa: E402
 from weightvault._vault.objects.frame import HEADER_SIZE, is_frame, parse_frame_header  # noqa: E402
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

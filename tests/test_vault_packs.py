@@ -26,7 +26,7 @@ import weightvault.numpy as wvn  # noqa: E402
 from _dcp_s3 import moto_s3  # noqa: E402
 from _vault_workers import assert_bitwise, build, snapshot  # noqa: E402
 from weightvault import FormatError, Vault  # noqa: E402
-from weightvault._vault.objects.access import content_hash  # noqa: E402
+from weightvault._vault.objects.address import content_hash  # noqa: E402
 from weightvault._vault.records.usage import vault_usage  # noqa: E402
 from weightvault._vault.store import pack as P  # noqa: E402
 from weightvault._vault.store.backend import LocalStore  # noqa: E402
@@ -223,16 +223,16 @@ def test_a_compaction_reads_the_newest_records_whole_not_every_one(
 ) -> None:
     """Taking packs apart once read every record whole (0.6 s a pass after 150 saves of
     a 70-tensor model); the records it reads must not grow with the run."""
-    from weightvault._vault.upkeep import compact as C
+    from weightvault._vault.upkeep import records_cache as C
 
     reads: list[str] = []
-    real = C._Records._read
+    real = C.Records._read
 
     def counted(self: Any, name: str) -> Any:
         reads.append(name)
         return real(self, name)
 
-    monkeypatch.setattr(C._Records, "_read", counted)
+    monkeypatch.setattr(C.Records, "_read", counted)
     vault = Vault(tmp_path, delta_chain=2, **options)
     model = build(0, width=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -518,7 +518,7 @@ def _digests(vault: Vault, name: str) -> dict[str, str]:
 def test_prefetch_reads_each_pack_once_for_all_its_objects(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from weightvault._vault.objects.access import prefetch
+    from weightvault._vault.objects.prefetch import prefetch
 
     vault = Vault(tmp_path, compaction=None)
     want = arrays(9)

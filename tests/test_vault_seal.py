@@ -35,7 +35,7 @@ from _records import read as read_record, rewrite as rewrite_record  # noqa: E40
 from weightvault import ChecksumError, FormatError, TrainingStateError, Vault, WeightvaultError  # noqa: E402
 from weightvault._cli.app import main  # noqa: E402
 from weightvault._vault.records.intents import encode_intent, parse_intent  # noqa: E402
-from weightvault._vault.records.record import read_sealed  # noqa: E402
+from weightvault._vault.records.reading import read_sealed  # noqa: E402
 from weightvault._vault.store.backend import open_store  # noqa: E402
 from weightvault._vault.store.pack import check_pack  # noqa: E402
 from weightvault._vault.upkeep.verify import VaultVerifyReport, verify_vault  # noqa: E402

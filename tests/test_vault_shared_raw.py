@@ -15,9 +15,9 @@ pytest.importorskip("numpy")
 from torch import nn  # noqa: E402
 
 from weightvault import Vault  # noqa: E402
-from weightvault._vault.objects.access import object_file  # noqa: E402
 from weightvault._vault.objects.codec import CODECS, DEFAULT  # noqa: E402
 from weightvault._vault.objects.encoding import PAYS, SHARED_PAYS, encode_full, size_of  # noqa: E402
+from weightvault._vault.objects.file import object_file  # noqa: E402
 from weightvault._vault.objects.frame import HEADER_SIZE, is_frame, parse_frame_header  # noqa: E402
 
 N = 1 << 15  # floats per weight: several blocks, well over SMALL
@@ -106,19 +106,19 @@ def test_a_frozen_weight_stays_raw_from_the_first_checkpoint(
 def test_a_shared_raw_weight_is_not_compressed_again_by_every_compaction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import weightvault._vault.upkeep.compact as compact_module
+    import weightvault._vault.upkeep.reencode as reencode_module
 
     net = Net()
     backbone = net.backbone.detach().numpy().tobytes()
     tries: list[int] = []
-    real = compact_module.encode_full
+    real = reencode_module.encode_full
 
     def counted(raw: Any, *args: Any, **kwargs: Any) -> Any:
         if bytes(raw) == backbone:
             tries.append(1)
         return real(raw, *args, **kwargs)
 
-    monkeypatch.setattr(compact_module, "encode_full", counted)
+    monkeypatch.setattr(reencode_module, "encode_full", counted)
     vault = Vault(tmp_path)
     for k in range(5):
         drift(net, k)

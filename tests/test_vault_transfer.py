@@ -27,7 +27,7 @@ from weightvault import (  # noqa: E402
     Vault,
     VaultNotFoundError,
 )
-from weightvault._vault.objects.access import object_key  # noqa: E402
+from weightvault._vault.objects.address import object_key  # noqa: E402
 from weightvault._vault.travel import transfer as transfer_module  # noqa: E402
 from weightvault._vault.upkeep.gc import collect  # noqa: E402
 

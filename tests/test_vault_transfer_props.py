@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 import weightvault.numpy as wvn  # noqa: E402
 from weightvault import Vault  # noqa: E402
-from weightvault._vault.objects.access import object_file, object_key  # noqa: E402
+from weightvault._vault.objects.address import object_key  # noqa: E402
+from weightvault._vault.objects.file import object_file  # noqa: E402
 from weightvault._vault.store.pack import read_index  # noqa: E402
 
 DTYPES = ["float32", "float16", "float64", "int8", "uint8", "int32", "int64", "bool"]

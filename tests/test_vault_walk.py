@@ -14,7 +14,7 @@ from torch import nn  # noqa: E402
 
 import weightvault  # noqa: E402
 import weightvault.torch as wv  # noqa: E402
-from weightvault._vault.objects.access import object_key  # noqa: E402
+from weightvault._vault.objects.address import object_key  # noqa: E402
 from weightvault._vault.walk import unchanged_between  # noqa: E402
 
 

@@ -245,7 +245,7 @@ def test_training_state_last_frees_off_the_saves_time(
     with a background compactor it runs on that thread, after the save returned."""
     import threading
 
-    import weightvault._vault.vault as vault_module
+    import weightvault._vault.upkeep.pacing as vault_module
 
     threads: list[str] = []
     real = vault_module.collect
@@ -274,7 +274,7 @@ def test_training_state_last_frees_off_the_saves_time(
 def test_a_paced_gc_is_put_off_only_after_a_slow_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import weightvault._vault.vault as vault_module
+    import weightvault._vault.upkeep.pacing as vault_module
 
     vault = Vault(tmp_path / "v")
     vault.save({"w": torch.ones(4)})

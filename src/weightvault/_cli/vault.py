@@ -11,7 +11,7 @@ from typing import Any, TextIO
 from .._base.errors import VaultNotFoundError
 from .._base.progress import Progress, human
 from .._tools.inspect import diff
-from .._vault.records.record import LABELS
+from .._vault.records.names import LABELS
 from .._vault.records.usage import vault_usage
 from .._vault.store.backend import open_store
 from .._vault.travel.transfer import TransferReport

@@ -25,8 +25,9 @@ from .._base.dtypes import ITEMSIZE, numel
 from .._base.errors import FormatError
 from .._file.checkpoint import read_fully
 from .._torch.tensors import DTYPES
-from .._vault.objects.access import content_hash, locations, read_range
+from .._vault.objects.address import content_hash, locations
 from .._vault.objects.frame import HEADER_SIZE, is_frame
+from .._vault.objects.read import read_range
 from .._vault.records.dcp_layout import Chunk
 from .._vault.store.backend import Store
 

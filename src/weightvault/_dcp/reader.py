@@ -29,7 +29,8 @@ from .._base.errors import DistributedCheckpointError, FormatError
 from .._torch.tensors import DTYPES
 from .._vault.records.dcp import KIND
 from .._vault.records.dcp_layout import Chunk, parse_layout
-from .._vault.records.record import read_doc, record_key
+from .._vault.records.names import record_key
+from .._vault.records.reading import read_doc
 from .._vault.vault import VaultLike, as_vault
 from .index import ChunkIndex
 from .peers import Exchange, Shares, Stamp, assign_reads, own_reads, prepare

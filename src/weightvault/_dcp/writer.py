@@ -23,10 +23,11 @@ from torch.futures import Future
 
 from .._base.errors import CollectivesRequiredError
 from .._torch.tensors import tensor_bytes
-from .._vault.objects.access import content_hash
+from .._vault.objects.address import content_hash
 from .._vault.objects.encoding import Encoder
 from .._vault.records.dcp_layout import encode_table
-from .._vault.records.record import CheckpointRecord, check_free, parse_record
+from .._vault.records.reading import check_free
+from .._vault.records.record import CheckpointRecord, parse_record
 from .._vault.vault import VaultLike, as_vault
 from .._vault.writing.commit import Data, begin, commit_record, release, store_missing
 from .planner import VaultSavePlanner

@@ -28,7 +28,9 @@ from typing import Any
 from .._file.checkpoint import Checkpoint
 from .records.checkpoint import VaultCheckpoint
 from .records.marks import resolve_label
-from .records.record import creation_order, read_doc, record_key
+from .records.names import record_key
+from .records.order import creation_order
+from .records.reading import read_doc
 from .store.backend import Store
 
 __all__ = ["Walked", "unchanged_between", "walk", "walk_order"]

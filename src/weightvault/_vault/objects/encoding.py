@@ -1,10 +1,10 @@
 """How a vault object is encoded: raw, a compressed full object, or a delta on a newer one.
 
-A save writes raw bytes only (the least work a commit needs, see :mod:`.save`); the
-compactor (:mod:`.compact`) encodes them afterwards. A tensor that changed between two
+A save writes raw bytes only (the least work a commit needs, see :mod:`..writing.save`);
+the compactor (:mod:`..upkeep.compact`) encodes them afterwards. A tensor that changed between two
 checkpoints is usually close to its old value: the sign, the exponent and the high
 mantissa bits of most elements are unchanged, so the difference of the two bit patterns
-(a zigzag integer difference, see :mod:`.diff`) compresses far better than the tensor.
+(a zigzag integer difference, see :mod:`.transforms`) compresses far better than the tensor.
 Deltas point **backward**, as in a version-control pack: the newest checkpoint's objects
 are full, and an older object is a delta whose base is the same tensor in the next
 checkpoint. The checkpoint every resume reads therefore decodes one object per tensor,
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from ..._base.errors import FormatError
 from ..store.backend import Store
 from ..store.pack import find, pack_key
-from .access import object_key
+from .address import object_key
 from .codec import DELTAS, STORED, Codec, compress_block, delta_codec
 from .frame import encode_frame, is_frame
+from .probe import probe
 from .transforms import delta_kind, make_delta
 
 __all__ = [
@@ -86,11 +87,9 @@ def stored_depth(
     bytes. ``refresh_packs=False`` trusts a listing of ``packs/`` the caller made.
 
     Only ``objects/`` and ``packs/`` are looked at, never a gc's trash: like
-    :func:`~.commit.store_missing`, a writer may rely only on what it sees there after its
+    :func:`~..writing.commit.store_missing`, a writer may rely only on what it sees there after its
     intent is visible.
     """
-    from .frame import parse_frame_header
-
     key = object_key(digest)
     size = store.size(key)
     if size is None:
@@ -102,8 +101,7 @@ def stored_depth(
     if size == nbytes:
         return 0
     try:
-        head = store.get_range(key, 0, 64)
-        frame = parse_frame_header(memoryview(head)) if is_frame(head) else None
+        frame = probe(store, key)
     except (FileNotFoundError, FormatError):
         return None
     return frame.depth if frame is not None and frame.raw_size == nbytes else None

@@ -11,7 +11,7 @@ writes, every object written before frames existed, a full object under
                   delta's words as unsigned integers; see .codec)
     10      1     item size: the byte planes each block was split into (1 to 255)
     11      1     kind: 0 a full object; a delta otherwise, whose payload is the
-                  transform of :mod:`.diff` with this id applied to raw and base
+                  transform of :mod:`.transforms` with this id applied to raw and base
                   (1 XOR, 2 zigzag integer difference of item-size words)
     12      2     depth: 0 for a full object; a delta's chain depth when it was written
                   (version 1: exactly its base's plus one; version 2: a hint, since the
@@ -155,7 +155,7 @@ def encode_frame(
         itemsize: Bytes per element, the byte planes blocks are split into.
         codec: How to compress each block.
         base: The base object's digest, for a delta.
-        kind: The delta's transform (:mod:`.diff`), for a delta.
+        kind: The delta's transform (:mod:`.transforms`), for a delta.
         depth: The chain depth, for a delta (its base's plus one).
         compressed: ``raw``'s one block, already compressed with ``codec`` by the caller
             (``raw`` must then be non-empty and no longer than a block).

@@ -6,7 +6,11 @@ byte of it before its sum checks.
 
 Parts, in the order a load calls them:
 
-- :mod:`.record`: names, the record's format, reading and rewriting records.
+- :mod:`.names`: the one check of a checkpoint's name, and the key its record has.
+- :mod:`.order`: which record is the newest (``"latest"``), from the first bytes of each.
+- :mod:`.reading`: reading a record against its seal; rewriting and deleting records.
+- :mod:`.record`: the record's format: its fields, each checked, and the objects it
+  names (:func:`~.record.object_digests`).
 - :mod:`.checkpoint`: a committed checkpoint read through the same interface as a single
   file, so the one loader of ``weightvault._load`` serves both.
 - :mod:`.dcp` and :mod:`.dcp_layout`: records of checkpoints written through
@@ -15,4 +19,5 @@ Parts, in the order a load calls them:
 - :mod:`.intents`: what an in-flight save, transfer or compaction will reference.
 - :mod:`.todo`: which checkpoints a save left to the compactor.
 - :mod:`.usage`: what each checkpoint costs on disk.
+- :mod:`.methods`: the listing and labelling methods of :class:`~weightvault.Vault`.
 """

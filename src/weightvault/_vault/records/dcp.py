@@ -24,18 +24,15 @@ from ..._base.errors import FormatError
 from ..._file.header import TensorInfo, encode_header
 from ..._file.manifest import MANIFEST_KEY, Manifest
 from ..._training.codec import decode
-from ..objects.access import (
-    ObjectCheckpoint,
-    content_hash,
-    damaged,
-    object_key,
-    prefetch,
-    read_object,
-)
+from ..objects.address import content_hash, object_key
+from ..objects.prefetch import prefetch
+from ..objects.read import damaged, read_object
 from ..store.backend import Store
 from ..store.pack import missing
 from .dcp_layout import Chunk, Layout, grid_chunk, parse_layout, parse_table
-from .record import parse_header_text, parse_record, record_key
+from .names import record_key
+from .object_checkpoint import ObjectCheckpoint
+from .record import parse_header_text, parse_record
 
 KIND = "dcp"
 

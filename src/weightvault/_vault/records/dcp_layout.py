@@ -35,7 +35,7 @@ from typing import Any, cast
 
 from ..._base.dtypes import ITEMSIZE, numel
 from ..._base.errors import FormatError
-from ..objects.access import DIGEST
+from ..objects.address import DIGEST
 
 __all__ = [
     "LAYOUT_VERSION",

@@ -1,7 +1,9 @@
 """Intents, ``intents/<id>.json``: the objects a save, transfer or compaction will reference.
 
 gc keeps every object an intent names (see :mod:`.commit` and :mod:`.gc`), so a damaged
-intent could let gc free an object a save in flight relies on. An intent is sealed
+intent could let gc free an object a save in flight relies on. Every writer names a new
+intent with :func:`new_intent_key` and writes it, and rewrites it with a fresh time, with
+:func:`write_intent`; gc and verify read it with :func:`read_intent`. An intent is sealed
 (:mod:`.seal`)::
 
     {"version": 2, "created": 1767225600.0, "objects": ["<blake3 hex>", ...], "sum": "..."}
@@ -17,12 +19,22 @@ Example:
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections.abc import Iterable
 
 from ..._base.errors import FormatError
+from ..store.backend import Store
 from ..store.seal import seal_json, unseal
 
-__all__ = ["INTENT_VERSION", "encode_intent", "parse_intent", "read_intent"]
+__all__ = [
+    "INTENT_VERSION",
+    "encode_intent",
+    "new_intent_key",
+    "parse_intent",
+    "read_intent",
+    "write_intent",
+]
 
 #: The version of the intents written: 2 is sealed; an intent without one predates seals.
 INTENT_VERSION = 2
@@ -36,6 +48,24 @@ def encode_intent(objects: Iterable[str], created: float) -> bytes:
     """An intent naming ``objects`` (sorted, once each), sealed."""
     doc = {"version": INTENT_VERSION, "created": created, "objects": sorted(set(objects))}
     return seal_json(doc)
+
+
+def new_intent_key() -> str:
+    """The key of a new intent, ``intents/<random id>.json``, that no other writer uses."""
+    return f"intents/{uuid.uuid4().hex}.json"
+
+
+def write_intent(store: Store, key: str, objects: Iterable[str], *, durable: bool = True) -> None:
+    """Write intent ``key`` naming ``objects``, created now; a rewrite replaces it whole.
+
+    Args:
+        store: The vault's store.
+        key: From :func:`new_intent_key`.
+        objects: The digests of every object the writer may reference.
+        durable: ``False`` for an intent nothing needs after a crash (see
+            :meth:`~.backend.Store.put`).
+    """
+    store.put(key, encode_intent(objects, time.time()), durable=durable)
 
 
 def read_intent(raw: bytes | memoryview, where: str) -> list[str]:

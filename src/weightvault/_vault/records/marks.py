@@ -34,19 +34,10 @@ from typing import Any
 
 from ..._base.errors import CheckpointNotFoundError
 from ..store.backend import Store
-from .record import (
-    _HEAD,
-    _SCALAR,
-    LABELS,
-    VERSION,
-    label_times,
-    parse_record,
-    read_doc,
-    record_key,
-    record_names,
-    resolve,
-    rewrite_record,
-)
+from .names import LABELS, record_key, record_names
+from .order import HEAD, SCALAR, resolve
+from .reading import read_doc, rewrite_record
+from .record import VERSION, label_times, parse_record
 
 __all__ = [
     "Held",
@@ -94,7 +85,7 @@ def _may_carry(head: bytes) -> bool:
     if not head.startswith(b"{"):
         return True
     pos = 1
-    while (m := _SCALAR.match(head, pos)) is not None:
+    while (m := SCALAR.match(head, pos)) is not None:
         if m.group(1) == b"labels" or m.group(3) == b"}":
             return True  # a scalar "labels" (damaged), or a record of plain fields only
         pos = m.end()
@@ -114,7 +105,7 @@ def holders(store: Store, names: Iterable[str] | None = None) -> dict[str, list[
     out: dict[str, list[Held]] = {}
     for name in record_names(store) if names is None else names:
         try:
-            head = store.get_range(record_key(name), 0, _HEAD)
+            head = store.get_range(record_key(name), 0, HEAD)
         except FileNotFoundError:
             continue  # deleted while we listed
         except OSError:

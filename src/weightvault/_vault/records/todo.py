@@ -16,7 +16,8 @@ import contextlib
 
 from ..._base.errors import CheckpointNotFoundError, FormatError
 from ..store.backend import Store
-from .record import check_name, read_doc
+from .names import check_name
+from .reading import read_doc
 
 __all__ = ["TODO", "held_packs", "mark", "pending", "todo_key"]
 

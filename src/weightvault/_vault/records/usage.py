@@ -5,8 +5,8 @@ Four byte counts describe a checkpoint:
 - **raw**: its distinct tensor bytes, uncompressed (``stored_bytes``: what one
   deduplicated safetensors file of it holds);
 - **new**: the raw bytes of the objects its save added (the rest were in the vault);
-- **written**: what its save wrote for them (``written_bytes``: raw bytes since issue 27,
-  which left compression to the compactor);
+- **written**: what its save wrote for them (``written_bytes``: raw bytes for a save that
+  leaves compression to the compactor, as every save now does);
 - **on disk**: what the files of those objects (the ones no earlier checkpoint names)
   take now: compressed, or deltas on the next checkpoint's, once compacted.
 
@@ -35,7 +35,8 @@ from typing import Any
 
 from ..store.backend import Store
 from ..store.pack import PACKS, pack_table
-from .record import CheckpointRecord, list_docs
+from .reading import list_docs
+from .record import CheckpointRecord, object_digests
 from .todo import pending
 
 __all__ = ["CheckpointUsage", "VaultUsage", "checkpoint_usage", "vault_usage"]
@@ -159,9 +160,9 @@ def vault_usage(store: Store) -> VaultUsage:
 def _first(doc: dict[str, Any], seen: set[str], sizes: dict[str, int]) -> int | None:
     """Bytes on disk of the objects of record ``doc`` that no earlier one named (adding
     them to ``seen``); ``None`` for a record that names chunks, not objects (DCP)."""
-    objects = doc.get("objects")
-    if doc.get("kind") is not None or not isinstance(objects, dict):
+    named = object_digests(doc)
+    if named is None:
         return None
-    new = {d for d in objects.values() if isinstance(d, str)} - seen
+    new = named - seen
     seen |= new
     return sum(sizes.get(d, 0) for d in new)

@@ -24,6 +24,10 @@ training step never waits for the network, and never fails because of it:
 The thread runs nicer than training (on Linux), and between batches of objects it holds
 back while the local vault saves or loads, so the loop's own checkpoint work comes first.
 
+The mirror sees both vaults through what it needs of them (:class:`Local` and
+:class:`Receiver`, which a :class:`~weightvault.Vault` is): a mirror given as a path or a
+URL is opened as a vault of the local vault's own class.
+
 Example:
     >>> mirror = Mirror(vault, "s3://bucket/run1")
     >>> mirror.after_save(vault.save(model).name)   # returns at once
@@ -34,20 +38,49 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, cast
 
 from ..._base.errors import CheckpointExistsError, SourceDamagedError
 from ..._base.priority import lower_priority
-from ..records.record import record_names
+from ..records.names import record_names
+from ..store.backend import Store
+from ..upkeep.compactor import Compactor
 from .transfer import TransferReport, transfer
 
-if TYPE_CHECKING:
-    from ..vault import Vault, VaultLike
-
-__all__ = ["Mirror"]
+__all__ = ["Destination", "Local", "Mirror", "Receiver"]
 
 log = logging.getLogger("weightvault")
+
+
+class Local(Protocol):
+    """What a mirror needs of the vault training saves into (a :class:`~weightvault.Vault`):
+    its store, its compactor's pause, and the sparing that makes retention wait."""
+
+    store: Store
+    _compactor: Compactor
+
+    @property
+    def url(self) -> str: ...
+
+    def _spare(self, name: str) -> None: ...
+
+    def _unspare(self, names: Iterable[str]) -> None: ...
+
+    def _retain_deferred(self) -> None: ...
+
+
+class Receiver(Protocol):
+    """What a mirror needs of the vault it pushes to (a :class:`~weightvault.Vault`)."""
+
+    store: Store
+    gc_wait: float
+
+
+#: A mirror as given: a vault, or the path or URL of one.
+Destination = Receiver | str | os.PathLike[str]
 
 
 class Mirror:
@@ -61,11 +94,11 @@ class Mirror:
         **storage_options: For ``dest`` given as a URL (endpoint, credentials, timeouts).
     """
 
-    def __init__(self, vault: Vault, dest: VaultLike, **storage_options: Any) -> None:
+    def __init__(self, vault: Local, dest: Destination, **storage_options: Any) -> None:
         self.vault = vault
         self._dest_spec = dest
         self._options = storage_options
-        self._dest: Vault | None = None
+        self._dest: Receiver | None = None
         self._queue: list[str] = []
         self._warned: set[str] = set()
         self._released: set[str] = set()  # queued, but retention may take them
@@ -164,11 +197,14 @@ class Mirror:
             self._released |= set(fresh)
             self.vault._unspare(fresh)
 
-    def _receiver(self) -> Vault:
+    def _receiver(self) -> Receiver:
         if self._dest is None:
-            from ..vault import as_vault
-
-            self._dest = as_vault(self._dest_spec, compaction=None, **self._options)
+            spec = self._dest_spec
+            if isinstance(spec, str | os.PathLike):
+                # Opened as the local vault is: the same class, never compacting here.
+                opener = cast("Callable[..., Receiver]", type(self.vault))
+                spec = opener(spec, compaction=None, **self._options)
+            self._dest = spec
         return self._dest
 
     def _forget(self, names: list[str]) -> None:

@@ -44,7 +44,7 @@ class Compactor:
         _LIVE.add(self)
 
     def kick(self) -> None:
-        """Compact soon: start the thread, or have it go round once more."""
+        """Compact soon: start the thread, or have it run once more."""
         with self._cond:
             self._wanted = True
             if self._thread is None:

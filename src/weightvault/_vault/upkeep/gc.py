@@ -4,21 +4,22 @@
 picks candidates (objects no intent or checkpoint names), then *moves* each one into its
 trash, ``trash/<gc id>/<digest>``, then reads every intent and checkpoint again: objects
 someone now names go back, only the rest are deleted, from the trash. A save checks an
-object after its intent is visible (see :mod:`.commit`); if that check came before the
-move, the intent (or the checkpoint it became) is visible to the re-read, which puts the
-object back; if it came after, the save found the object missing and wrote it again.
-However long gc stalls at any point, no checkpoint loses an object.
+object after its intent is visible (see :mod:`..writing.commit`); if that check came
+before the move, the intent (or the checkpoint it became) is visible to the re-read,
+which puts the object back; if it came after, the save found the object missing and
+wrote it again. However long gc stalls at any point, no checkpoint loses an object.
 
-**Delta bases.** An object stored as a delta (see :mod:`.delta`) needs its base, which
-its frame names. Each read of what is live follows those names, transitively, from the
-objects' current frames: a save that writes a delta names its base in its intent, and a
-checkpoint that reuses a delta object keeps its whole chain. Reads find an object
-in a gc's trash while it sits there (:mod:`.objects`), and the trash of a gc that died is
-put back by the next gc or by :func:`break_gc_lock`.
+**Delta bases.** An object stored as a delta (see :mod:`..objects.encoding`) needs its
+base, which its frame names. Each read of what is live follows those names,
+transitively, from the objects' current frames: a save that writes a delta names its
+base in its intent, and a checkpoint that reuses a delta object keeps its whole chain.
+Reads find an object in a gc's trash while it sits there (:mod:`..objects.access`), and
+the trash of a gc that died is put back by the next gc or by :func:`break_gc_lock`.
 
-**The marker.** A running gc keeps ``gc/<id>.json`` fresh (a heartbeat: pid, host, time);
-saves wait while one is fresh (:func:`wait_for_gc`), to avoid churn. It is not what
-keeps objects safe.
+**The lease.** A running gc keeps its lease, ``gc/<id>.json``, fresh (a heartbeat: pid,
+host, time; :mod:`..store.lease`); saves wait while one is fresh
+(:func:`~..store.lease.wait_for_gc`), to avoid churn. It is not what keeps objects safe.
+What is live is found by :mod:`.live`; packs are taken apart by :mod:`.unpack`.
 
 Example:
     >>> freed = collect(vault.store)      # what Vault.gc() does
@@ -26,32 +27,27 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
-from ..._base.errors import CheckpointNotFoundError, FormatError, VaultBusyError
-from ..._file.header import METADATA_KEY
-from ..objects.access import (
-    DIGEST,
-    content_hash,
-    is_temp,
-    object_key,
-    read_object,
-    with_bases,
-    write_loose,
-)
-from ..records.checkpoint import check_objects, open_record, record_objects
-from ..records.intents import read_intent
-from ..records.record import read_doc, record_key, record_names
+from ..._base.errors import FormatError, VaultBusyError
+from ..objects.address import DIGEST, content_hash, is_temp, object_key
+from ..objects.read import read_object
 from ..records.todo import held_packs, pending
+from ..store import lease
 from ..store.backend import Blob, Store
+from ..store.lease import (  # the names gc has always offered
+    GC_HEARTBEAT_SECONDS,
+    GC_STALE_SECONDS,
+    Lease,
+    gc_leases,
+    process_start,
+)
 from ..store.pack import PACKS, Packed, is_pack, pack_key, pack_table, read_index
+from .live import STALE_SECONDS, Beat, live_objects
+from .unpack import unpack
 
 __all__ = [
     "GC_HEARTBEAT_SECONDS",
@@ -59,150 +55,11 @@ __all__ = [
     "STALE_SECONDS",
     "break_gc_lock",
     "collect",
-    "gc_markers",
+    "gc_leases",
     "process_start",
-    "wait_for_gc",
 ]
 
-#: An intent or temporary file older than this belongs to a process that died.
-STALE_SECONDS = 3600.0
-#: A running gc rewrites its marker this often; one not rewritten for GC_STALE_SECONDS
-#: belongs to a gc that died or stalls, and saves stop waiting for it. Neither number
-#: matters for safety (see the module docstring), only for how long a save may wait.
-GC_HEARTBEAT_SECONDS = 10.0
-GC_STALE_SECONDS = 60.0
-
 log = logging.getLogger("weightvault")
-
-Beat = Callable[[], None]
-
-
-class _Heartbeat:
-    """A gc's marker, rewritten now and then so saves can tell a live gc from a dead one."""
-
-    def __init__(self, store: Store, key: str) -> None:
-        self.store, self.key = store, key
-        self.last = 0.0
-        self()
-
-    def __call__(self) -> None:
-        now = time.time()
-        if now - self.last >= GC_HEARTBEAT_SECONDS:
-            pid = os.getpid()
-            owner = {"pid": pid, "host": socket.gethostname(), "started": process_start(pid)}
-            self.store.put(self.key, json.dumps({"created": now, **owner}).encode())
-            self.last = now
-
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, Linux), to tell a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # Field 22, counted after the command name, which may itself hold spaces.
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _owner_gone(doc: object) -> bool:
-    """Whether a marker's process has provably exited (same host, pid gone or reused)."""
-    if not isinstance(doc, dict) or doc.get("host") != socket.gethostname():
-        return False  # another machine's gc: only its heartbeat can tell
-    pid = doc.get("pid")
-    if type(pid) is not int or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False  # alive, owned by someone else
-    started = doc.get("started")
-    now_started = process_start(pid)
-    return type(started) is int and now_started is not None and now_started != started
-
-
-def _ours(doc: object) -> bool:
-    """Whether a marker is this process's own gc's (on any of its threads)."""
-    if not isinstance(doc, dict) or doc.get("host") != socket.gethostname():
-        return False
-    pid = os.getpid()
-    return doc.get("pid") == pid and doc.get("started") == process_start(pid)
-
-
-def gc_markers(store: Store, *, others: bool = False) -> list[tuple[Blob, str | None]]:
-    """Each gc marker, with why its gc is dead (None: it may be running); ``others``
-    leaves out this process's own gc."""
-    out: list[tuple[Blob, str | None]] = []
-    now = time.time()
-    for blob in store.list("gc"):
-        if is_temp(blob.key):
-            continue
-        age = now - blob.mtime
-        if age >= GC_STALE_SECONDS:
-            out.append((blob, f"its heartbeat is {age:.0f} s old"))
-            continue
-        try:
-            doc = json.loads(store.get(blob.key))
-        except FileNotFoundError:
-            continue  # that gc just finished
-        except (ValueError, RecursionError, OSError):
-            doc = None  # a marker being rewritten, or damaged: only its age can tell
-        if others and _ours(doc):
-            continue
-        gone = _owner_gone(doc)
-        out.append((blob, "its process has exited" if gone else None))
-    return out
-
-
-def _say_waiting(store: Store, marker: Blob, gc_wait: float) -> None:
-    age = max(0.0, time.time() - marker.mtime)
-    log.warning(
-        "%s: waiting for the gc that holds %s (heartbeat %.0f s old): up to %.0f s, until "
-        "its heartbeat is %.0f s old or gc_wait=%.0f s runs out. If that gc was killed on "
-        "another machine, 'weightvault vault ROOT gc --break-lock' ends the wait once the "
-        "heartbeat is stale",
-        store.url,
-        marker.key,
-        age,
-        min(gc_wait, max(0.0, GC_STALE_SECONDS - age)),
-        GC_STALE_SECONDS,
-        gc_wait,
-    )
-
-
-def wait_for_gc(store: Store, gc_wait: float) -> None:
-    """Return once no gc runs; give up after ``gc_wait`` seconds.
-
-    Waiting is not what keeps objects safe (gc re-checks before it deletes anything); it
-    only keeps a save from rewriting objects a running gc is about to free. So a gc of
-    this very process is not waited for: it is the vault's own background gc (what
-    ``training_state_last`` runs on the compactor's thread), which frees the training
-    state a retain dropped, not what the next save writes. Waiting for it blocked a
-    ``training_state_last=1`` loop's save for the whole gc (0.8 s after 300 saves of the lm
-    run), with a warning about a gc on another machine.
-
-    Raises:
-        VaultBusyError: A gc's heartbeat stayed fresh for ``gc_wait`` seconds.
-    """
-    deadline = time.monotonic() + gc_wait
-    delay = 0.01
-    told = False
-    while True:
-        running = [b for b, dead in gc_markers(store, others=True) if dead is None]
-        if not running:
-            return
-        if not told:
-            _say_waiting(store, running[0], gc_wait)
-            told = True
-        if time.monotonic() > deadline:
-            raise VaultBusyError(
-                f"{store.url}: a gc has been running for over {gc_wait:.0f} s "
-                f"({running[0].key}); retry later, or run 'weightvault vault ROOT gc "
-                "--break-lock' if that gc died"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
 
 
 def _untrash(store: Store, whose: Callable[[str], bool], beat: Beat = lambda: None) -> int:
@@ -225,101 +82,32 @@ def _untrash(store: Store, whose: Callable[[str], bool], beat: Beat = lambda: No
 
 
 def break_gc_lock(store: Store) -> list[str]:
-    """Remove the markers of gcs that died, after putting their trash back.
+    """Remove the leases of gcs that died, after putting their trash back.
 
     See :meth:`weightvault.Vault.break_gc_lock`.
 
     Raises:
-        VaultBusyError: A marker's gc may still be running; nothing was changed.
+        VaultBusyError: A lease's gc may still be running; nothing was changed.
     """
-    markers = gc_markers(store)
-    alive = [b for b, dead in markers if dead is None]
+    leases = gc_leases(store)
+    alive = [b for b, dead in leases if dead is None]
     if alive:
         age = time.time() - alive[0].mtime
         raise VaultBusyError(
             f"{store.url}: {alive[0].key}: a gc may still be running (heartbeat "
-            f"{age:.0f} s old, under {GC_STALE_SECONDS:.0f} s); nothing was changed. Wait "
+            f"{age:.0f} s old, under {lease.GC_STALE_SECONDS:.0f} s); nothing was changed. Wait "
             "for it to finish, or stop that process and retry once its heartbeat is stale"
         )
-    # No gc runs, so all trash is a dead gc's (even one whose marker was removed).
+    # No gc runs, so all trash is a dead gc's (even one whose lease was removed).
     restored = _untrash(store, lambda owner: True)
     broken = []
-    for blob, why in markers:
+    for blob, why in leases:
         store.delete(blob.key)
         log.warning("%s: removed the marker %s of a dead gc (%s)", store.url, blob.key, why)
         broken.append(blob.key)
     if restored:
         log.warning("%s: put %d objects back from dead gcs' trash", store.url, restored)
     return broken
-
-
-def _intent_objects(store: Store, beat: Beat, expire_before: float | None) -> set[str]:
-    """Every object an intent names; removes intents older than ``expire_before``."""
-    live: set[str] = set()
-    for blob in store.list("intents"):
-        if is_temp(blob.key):
-            continue  # an intent still being written; its save has not looked yet
-        if expire_before is not None and blob.mtime < expire_before:
-            store.delete(blob.key)  # its save died
-            continue
-        if blob.size == 0:
-            # Intents are not fsynced (they only need to be seen): a power loss can leave
-            # one empty. A live save's intent is renamed into place whole, never empty.
-            store.delete(blob.key)
-            continue
-        try:
-            live |= set(read_intent(store.get(blob.key), f"{store.url}/{blob.key}"))
-        except FileNotFoundError:
-            continue  # its save finished; its checkpoint is read next
-        # A damaged intent (read_intent's FormatError) stops gc: it deletes nothing.
-        beat()
-    return live
-
-
-def _live(store: Store, beat: Beat, *, expire_before: float | None) -> set[str]:
-    """Every object an intent or a checkpoint names, and every delta base those need."""
-    # Intents before checkpoints: a save that commits and drops its intent between the
-    # two reads is then still seen, as a checkpoint.
-    live = _intent_objects(store, beat, expire_before)
-    for name in record_names(store):
-        try:
-            live |= named_objects(store, name, read_doc(store, name))
-        except CheckpointNotFoundError:
-            continue
-        except FormatError as e:
-            raise FormatError(
-                f"{e}; gc deleted nothing, since it cannot tell which objects that "
-                f"checkpoint needs. Remove it with vault.delete({name!r}) or restore it"
-            ) from e
-        beat()
-    # A delta needs its base, and the base its own: each frame names the next.
-    return with_bases(store, live, beat)
-
-
-def named_objects(store: Store, name: str, doc: dict[str, Any]) -> set[str]:
-    """The objects checkpoint ``name``'s record ``doc`` names.
-
-    What gc needs of a record is which objects it names: its ``objects``, whose names must
-    be exactly its header's tensors, each a digest. Checking only that takes 0.07 ms per
-    record of the lm run, where building every tensor's and the manifest's entries as a
-    load does (:func:`open_record`) took 1.2 ms: two thirds of a gc after 300 saves, which
-    reads every record twice (docs/benchmarks.md, section 27). A record of
-    ``weightvault.dcp`` names its chunks in its header: it is opened whole.
-
-    Raises:
-        FormatError: The record does not say which objects it needs.
-    """
-    if doc.get("kind") is not None:
-        return set(open_record(store, name, doc).objects.values())
-    where = f"{store.url}/{record_key(name)}"
-    objects, header = record_objects(doc, where)
-    try:
-        tensors = json.loads(header)
-    except (ValueError, RecursionError) as e:
-        raise FormatError(f"{where}: checkpoint header is malformed ({e!r:.100})") from e
-    names = tensors.keys() - {METADATA_KEY} if isinstance(tensors, dict) else None
-    check_objects(objects, names, where)
-    return set(objects.values())
 
 
 def _free_trash(
@@ -360,18 +148,17 @@ _MovedPack = tuple[Blob, str, dict[str, Packed]]
 def _copy_out(store: Store, index: dict[str, Packed], digests: list[str]) -> None:
     """Write ``digests`` loose, raw, from their pack, each checked against its name."""
 
-    def checked() -> Iterator[tuple[str, memoryview]]:
-        for digest in digests:
-            raw = read_object(store, digest, index[digest].size)
-            if content_hash(raw) == digest:
-                yield digest, raw
-            else:
-                log.warning(
-                    "%s: object %s in pack %s does not match its name; left in its pack",
-                    store.url, digest[:12], index[digest].pack,
-                )  # fmt: skip
+    def checked(digest: str, nbytes: int) -> memoryview | None:
+        raw = read_object(store, digest, nbytes)
+        if content_hash(raw) == digest:
+            return raw
+        log.warning(
+            "%s: object %s in pack %s does not match its name; left in its pack",
+            store.url, digest[:12], index[digest].pack,
+        )  # fmt: skip
+        return None
 
-    write_loose(store, checked())
+    unpack(store, ((d, index[d].size) for d in digests), checked)
 
 
 def _move_packs(store: Store, gc_id: str, live: set[str], beat: Beat) -> list[_MovedPack]:
@@ -436,22 +223,23 @@ def collect(store: Store) -> int:
             in place.
     """
     gc_id = uuid.uuid4().hex
-    marker = f"gc/{gc_id}.json"
-    beat = _Heartbeat(store, marker)
+    held = Lease(store, f"gc/{gc_id}.json", every=lease.GC_HEARTBEAT_SECONDS)
+    held.take()
+    beat = held.beat
     moved: list[tuple[Blob, str]] = []
     packs: list[_MovedPack] = []
     try:
         running = {
             b.key.rsplit("/", 1)[-1].removesuffix(".json")
-            for b, why in gc_markers(store)
+            for b, why in gc_leases(store)
             if why is None
         }
-        # Trash whose gc has no live marker belongs to a gc that died: put it back, so
+        # Trash whose gc has no live lease belongs to a gc that died: put it back, so
         # its objects are judged afresh below.
         _untrash(store, lambda owner: owner != gc_id and owner not in running, beat)
         objects = [b for b in store.list("objects") if not is_temp(b.key)]
         now = time.time()
-        live = _live(store, beat, expire_before=now - STALE_SECONDS)
+        live = live_objects(store, beat, expire_before=now - STALE_SECONDS)
         for blob in objects:
             digest = blob.key.rsplit("/", 1)[-1]
             if digest not in live and store.rename(blob.key, f"trash/{gc_id}/{digest}"):
@@ -461,7 +249,7 @@ def collect(store: Store) -> int:
         # The decision: anything named now, after the move, goes back. A save that saw
         # one of these objects before it moved registered its intent before that, so it
         # (or the checkpoint it committed) is visible here.
-        live = _live(store, beat, expire_before=None)
+        live = live_objects(store, beat, expire_before=None)
         freed = _free_trash(store, gc_id, moved, live, beat)
         # After the loose objects: a pack goes back only if one of its live objects has
         # no loose copy once those are back.
@@ -473,4 +261,4 @@ def collect(store: Store) -> int:
             store.put_back(f"trash/{gc_id}/{digest}", blob.key)
         for blob, leaf, _ in packs:
             store.put_back(f"trash/{gc_id}/{leaf}", blob.key)
-        store.delete(marker)
+        held.drop()

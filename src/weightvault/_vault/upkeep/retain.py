@@ -36,9 +36,10 @@ from ..._file.layout import is_training
 from ..._file.manifest import MANIFEST_KEY, Manifest
 from ..records.checkpoint import VaultCheckpoint
 from ..records.dcp import KIND as DCP, DcpCheckpoint
-from ..records.record import creation_order, read_doc, rewrite_record
-from ..records.todo import mark
+from ..records.order import creation_order
+from ..records.reading import read_doc, rewrite_record
 from ..store.backend import Store
+from .ends import mark_ends
 
 __all__ = ["Split", "drop_training", "drop_training_except_last", "weights_only_manifest"]
 
@@ -212,8 +213,7 @@ def drop_training_except_last(
             dropped.append(name)
         if done is not None:
             done.add((name, created))  # weights only now, or never held any state
-    if dropped and dropped[0] == order[0][1]:
-        # The compactor keeps a resumable oldest whole and turns a weights-only one into
-        # deltas: a marker makes the next compaction (a save's, gc's) look at it again.
-        mark(store, dropped[0])
+    # The compactor keeps a resumable oldest whole and turns a weights-only one into
+    # deltas: a marker makes the next compaction (a save's, gc's) look at it again.
+    mark_ends(store, [n for _, n in order], set(dropped), deleted=False, newest=False)
     return dropped

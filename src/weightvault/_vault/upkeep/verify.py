@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 
 from ..._base.errors import CheckpointNotFoundError, FormatError, capped
 from ..._training.complete import training_state_problems
-from ..objects.access import checksum, content_hash, is_temp, open_object, read_object
+from ..objects.address import checksum, content_hash, is_temp
 from ..objects.frame import blocks_intact
+from ..objects.read import open_object, read_object
 from ..records.checkpoint import VaultCheckpoint, open_record
 from ..records.dcp import DcpCheckpoint, check_section
 from ..records.intents import parse_intent
-from ..records.record import read_sealed, record_key, record_names
+from ..records.names import record_key, record_names
+from ..records.reading import read_sealed
 from ..store.backend import Store
 from ..store.identity import MARKER, holds_vault
 from ..store.pack import PACKS, check_pack, is_pack

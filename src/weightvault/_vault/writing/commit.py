@@ -25,113 +25,29 @@ gc frees once the intent is an hour old.
 
 from __future__ import annotations
 
-import os
 import threading
-import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ..._base.errors import CheckpointExistsError
-from ..._base.pools import LazyPool
-from ..objects.access import object_key
+from ..._base.pools import each, each_grouped, workers
+from ..objects.address import object_key
 from ..objects.codec import CODECS, DEFAULT
 from ..objects.encoding import Encoder, stored_depth
-from ..records.intents import encode_intent
-from ..records.record import encode_record, next_name, record_key
+from ..records.intents import new_intent_key, write_intent
+from ..records.names import next_name, record_key
+from ..records.record import encode_record
 from ..store import pack as _pack
 from ..store.backend import Store
 from ..store.identity import create_vault, upgrade_vault
+from ..store.lease import wait_for_gc
 from ..store.pack import PackWriter, pack_groups, pack_parts, pack_table
-from ..upkeep.gc import wait_for_gc
 
-__all__ = [
-    "WORKERS",
-    "Data",
-    "begin",
-    "commit_record",
-    "each",
-    "each_grouped",
-    "release",
-    "store_missing",
-    "workers",
-]
-
-#: Threads a save hashes and writes with. blake3 and xxhash release the GIL, so hashing
-#: uses every core; the extra threads overlap fsyncs (and object-store round trips).
-WORKERS = min(32, (os.cpu_count() or 1) + 4)
+__all__ = ["Data", "begin", "commit_record", "release", "store_missing"]
 
 #: An object to store: its size, and its bytes on demand.
 Data = tuple[int, Callable[[], memoryview | bytes]]
-T = TypeVar("T")
-U = TypeVar("U")
-
-#: This process's save threads, started once (a thread start costs milliseconds).
-workers = LazyPool(WORKERS, "weightvault-save")
-
-
-def each(
-    pool: ThreadPoolExecutor,
-    fn: Callable[[U], T],
-    items: Sequence[U],
-    done: Callable[[U], object] | None = None,
-) -> list[T]:
-    """``fn`` over ``items`` on ``pool``, results in order, ``done(item)`` as each arrives.
-
-    On any error it still waits for every call to finish, so a failed save leaves nothing
-    running behind it.
-    """
-    futures = [pool.submit(fn, item) for item in items]
-    try:
-        out = []
-        for item, future in zip(items, futures, strict=True):
-            out.append(future.result())
-            if done is not None:
-                done(item)
-        return out
-    finally:
-        wait(futures)
-
-
-#: Small items are handed to the threads in groups of about this many bytes: a future
-#: costs tens of microseconds, as much as hashing a 100 KB tensor.
-GROUP_BYTES = 4 << 20
-
-
-def each_grouped(
-    pool: ThreadPoolExecutor,
-    fn: Callable[[U], T],
-    items: Sequence[U],
-    size: Callable[[U], int],
-    done: Callable[[U], object] | None = None,
-) -> list[T]:
-    """:func:`each`, with consecutive items of under :data:`GROUP_BYTES` together run as
-    one call (results in order, ``done`` for each item once its group has run)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    held = 0
-    for i, item in enumerate(items):
-        current.append(i)
-        held += size(item)
-        if held >= GROUP_BYTES:
-            groups.append(current)
-            current, held = [], 0
-    if current:
-        groups.append(current)
-
-    def run(group: list[int]) -> list[T]:
-        return [fn(items[i]) for i in group]
-
-    def finished(group: list[int]) -> None:
-        if done is not None:
-            for i in group:
-                done(items[i])
-
-    out: list[T] = []
-    for result in each(pool, run, groups, finished):
-        out.extend(result)
-    return out
 
 
 def begin(store: Store, digests: Iterable[str], *, gc_wait: float) -> str:
@@ -146,9 +62,9 @@ def begin(store: Store, digests: Iterable[str], *, gc_wait: float) -> str:
         FormatError: The root holds something that is not a vault.
     """
     create_vault(store)
-    intent = f"intents/{uuid.uuid4().hex}.json"
+    intent = new_intent_key()
     # Seen by every gc at once; a crash ends the save, so nothing needs it after one.
-    store.put(intent, encode_intent(digests, time.time()), durable=False)
+    write_intent(store, intent, digests, durable=False)
     try:
         wait_for_gc(store, gc_wait)
     except BaseException:

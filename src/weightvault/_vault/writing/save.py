@@ -23,20 +23,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..._base.errors import CheckpointNotFoundError, FormatError
+from ..._base.pools import each, each_grouped, workers
 from ..._file.header import TensorInfo, encode_header
 from ..._file.layout import with_training
 from ..._file.manifest import MANIFEST_KEY
 from ..._file.sharing import Plan, Source, Stored, plan
 from ..._file.writer import layout
-from ..objects.access import checksum, content_hash, is_temp
+from ..objects.address import checksum, content_hash, is_temp
 from ..objects.encoding import Encoder
 from ..records.checkpoint import VaultCheckpoint
-from ..records.record import VERSION, CheckpointRecord, parse_record, read_doc
+from ..records.reading import read_doc
+from ..records.record import VERSION, CheckpointRecord, parse_record
 from ..records.todo import mark
 from ..store import pack as _pack
 from ..store.backend import Store
 from ..store.pack import PackWriter
-from .commit import begin, commit_record, each, each_grouped, release, store_missing, workers
+from .commit import begin, commit_record, release, store_missing
 
 __all__ = ["SUM_RECORDS", "Checksums", "Progress", "save_sources"]
 
