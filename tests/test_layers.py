@@ -242,3 +242,46 @@ def test_no_module_imports_another_folders_private_names() -> None:
                 and ".".join([*target, a.name]) not in import_graph()
             ]
     assert not bad, "\n".join(bad)
+
+
+#: Inside the vault, lowest first: a folder of ``_vault`` imports its own folder and those
+#: below it; ``vault.py``, ``walk.py`` and ``adapters.py`` (the facade) sit above them all.
+VAULT_LAYERS = ["store", "objects", "records", "writing", "upkeep", "travel"]
+
+
+def vault_upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import inside ``_vault`` of a folder in a higher vault layer than the importer's."""
+
+    def level(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[0] != "_vault" or len(parts) == 1:
+            return None  # outside the vault, or the vault package itself
+        return VAULT_LAYERS.index(parts[1]) if parts[1] in VAULT_LAYERS else len(VAULT_LAYERS)
+
+    found = []
+    for m, deps in graph.items():
+        a = level(m)
+        for d in sorted(deps):
+            b = level(d)
+            if a is not None and b is not None and b > a:
+                found.append(f"{m} imports {d}")
+    return found
+
+
+def test_inside_the_vault_no_folder_imports_a_higher_one() -> None:
+    assert vault_upward_imports(import_graph()) == []
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        ("_vault.writing.commit", "_vault.upkeep.gc"),  # the upward import the lease removed
+        ("_vault.travel.mirror", "_vault.vault"),  # travel reaching up to the facade
+        ("_vault.store.pack", "_vault.objects.address"),
+    ],
+)
+def test_the_vault_layers_refuse_an_upward_import(importer: str, imported: str) -> None:
+    graph = import_graph()
+    assert importer in graph and imported in graph
+    graph[importer] = graph[importer] | {imported}
+    assert vault_upward_imports(graph) == [f"{importer} imports {imported}"]
