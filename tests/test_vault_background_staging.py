@@ -201,7 +201,7 @@ def test_a_save_whose_thread_cannot_start_leaves_nothing_for_a_step_to_wait_on(
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     backward(model, opt, 0)
     opt.step()
-    monkeypatch.setattr(vault, "_saver", lambda: Refusing())
+    monkeypatch.setattr(vault._saves, "_saver", lambda: Refusing())
     with pytest.raises(RuntimeError, match="interpreter shutdown"):
         vault.save(model, optimizer=opt, background=True)
     assert vault._snapshots.staged(0) and not vault._snapshots._queue

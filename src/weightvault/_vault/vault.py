@@ -136,7 +136,7 @@ class Vault(RecordMethods, UpkeepMethods):
         self._saves: Deferred[CheckpointRecord] = Deferred()
         self._snapshots = self._saves.snapshots
         self._sums = Checksums()
-        self._retention = Retention(self.store)
+        self._retention = Retention(lambda: self.store)
         self._last_gc: Timing | None = None
         #: A save dropped training state: the compactor's thread frees it after its pass.
         self._gc_due = False

@@ -8,7 +8,7 @@ through :func:`delete_checkpoints`, which re-marks the ends (:mod:`.ends`); drop
 training state through :func:`~.retain.drop_training_except_last`.
 
 Example:
-    >>> Retention(vault.store).retain(vault.list, keep_last=2, compacts=True)
+    >>> Retention(lambda: vault.store).retain(vault.list, keep_last=2, compacts=True)
     ['000001']
 """
 
@@ -72,14 +72,20 @@ def doomed(
 class Retention:
     """One vault's retention: what it deletes and drops, and what it must remember."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, store: Callable[[], Store]) -> None:
+        # Asked for on each call: the vault's store may be replaced after it was made.
+        self._store = store
         #: Checkpoints a mirror has queued and not pushed yet: left whole until it has.
         self.spared = Spared()
         self._deferred: dict[str, Any] | None = None
         #: Checkpoints (name, created) whose training state is gone, by the split that
         #: told it apart (None: the vault's own): not read again.
         self._done: dict[Any, set[tuple[str, float]]] = {}
+
+    @property
+    def store(self) -> Store:
+        """The vault's store, as it is now."""
+        return self._store()
 
     def retain(
         self,
