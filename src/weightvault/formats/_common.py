@@ -18,11 +18,12 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from .._base.dtypes import ITEMSIZE, MAX_DIMS, fits_int64, numel
 from .._base.errors import BackendNotInstalled, FormatError, WeightvaultError, capped
+from .._base.limits import DecodeBudget
 from .._file.checkpoint import Checkpoint
 from .._file.header import TensorInfo
 from .._file.manifest import Manifest
@@ -59,6 +60,29 @@ DAMAGE = (
     RuntimeError,
     OSError,
 )
+
+
+T = TypeVar("T")
+
+
+def parse_file(
+    where: str,
+    max_decoded_bytes: int | None,
+    fix: str,
+    parse: Callable[[str, FileReader, DecodeBudget], T],
+) -> T:
+    """Open ``where`` for positional reads and ``parse`` it under :func:`decoding`.
+
+    The checkpoint ``parse`` returns owns the file; if parsing fails, it is closed here.
+    """
+    file = FileReader(where)
+    try:
+        budget = DecodeBudget(where, file.size, max_decoded_bytes)
+        with decoding(where, fix):
+            return parse(where, file, budget)
+    except BaseException:
+        file.close()
+        raise
 
 
 @contextlib.contextmanager

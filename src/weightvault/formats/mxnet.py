@@ -26,7 +26,7 @@ from .._base.errors import FormatError
 from .._base.limits import DecodeBudget
 from .._base.types import PathLike
 from .._file.sharing import Source
-from ._common import MXNET_LIST_MAGIC, ForeignCheckpoint, build, decoding, plain
+from ._common import MXNET_LIST_MAGIC, ForeignCheckpoint, build, parse_file, plain
 from ._lazy import FileReader
 
 #: Where an array's bytes lie in the file: offset and length.
@@ -159,14 +159,7 @@ def open_mxnet(path: PathLike, *, max_decoded_bytes: int | None = None) -> Forei
         'copy'
     """
     where = os.fspath(path)
-    file = FileReader(where)
-    try:
-        budget = DecodeBudget(where, file.size, max_decoded_bytes)
-        with decoding(where, FIX_DAMAGED):
-            return _open(where, file, budget)
-    except BaseException:
-        file.close()
-        raise
+    return parse_file(where, max_decoded_bytes, FIX_DAMAGED, _open)
 
 
 def _open(where: str, file: FileReader, budget: DecodeBudget) -> ForeignCheckpoint:

@@ -43,8 +43,8 @@ from ._common import (
     ForeignCheckpoint,
     build,
     check_shape,
-    decoding,
     need,
+    parse_file,
     zip_member_start,
 )
 from ._lazy import FileReader, Lazy
@@ -98,14 +98,7 @@ def open_npz(path: PathLike, *, max_decoded_bytes: int | None = None) -> Foreign
         'copy'
     """
     where = os.fspath(path)
-    file = FileReader(where)
-    try:
-        budget = DecodeBudget(where, file.size, max_decoded_bytes)
-        with decoding(where, FIX):
-            return _open(where, file, budget)
-    except BaseException:
-        file.close()
-        raise
+    return parse_file(where, max_decoded_bytes, FIX, _open)
 
 
 def _open(where: str, file: FileReader, budget: DecodeBudget) -> ForeignCheckpoint:
