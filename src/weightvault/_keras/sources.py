@@ -14,9 +14,9 @@ import keras
 import numpy as np
 
 from .._base.dtypes import ITEMSIZE, numpy_dtype
-from .._base.snapshots import SnapshotPool
 from .._file.arrays import array_bytes
 from .._file.sharing import Source
+from .._numpy.sources import Asked, Found, checkpoint_hook
 from . import state as _keras_state
 from .walk import Var, dtype_name, model_vars
 
@@ -81,22 +81,16 @@ def model_sources(obj: Any) -> tuple[list[Source], list[str]]:
     return out, []
 
 
-def checkpoint_sources(
-    obj: Any,
-    *,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    rng: bool = False,
-    snapshot: SnapshotPool | None = None,
-) -> tuple[list[Source], list[str], dict[str, Any] | None]:
+def _checkpoint_sources(obj: Any, asked: Asked) -> Found:
     """Model, optimizer and RNG as sources plus the manifest's training section.
 
     With ``snapshot`` (a background save), every variable that training can change (all
     but frozen ones; on JAX all) is copied now, so the save writes the values of the call.
     """
-    _keras_state.refuse_scheduler(scheduler)
+    optimizer, rng = asked.optimizer, asked.rng
+    _keras_state.refuse_scheduler(asked.scheduler)
     sources, skipped = model_sources(obj)
-    if snapshot is not None:
+    if asked.snapshot is not None:
         # Keras' JAX train step donates every variable's buffer, frozen ones included, so
         # there a live read could meet a deleted array: copy them all.
         live_frozen = keras.backend.backend() != "jax"
@@ -107,3 +101,7 @@ def checkpoint_sources(
         raise TypeError("optimizer= and rng= need the Keras model, not a dict of variables")
     extra, training = _keras_state.training_sources(obj, optimizer=optimizer, rng=rng)
     return sources + extra, skipped, training
+
+
+#: The vault's ``checkpoint_sources(obj, *, optimizer, scheduler, rng, snapshot)``.
+checkpoint_sources = checkpoint_hook(_checkpoint_sources)

@@ -207,7 +207,8 @@ class VaultCallback(SavePoints, TrainerCallback):  # type: ignore[misc]
         error = None
         with rng_as(due.rng):
             if self._sharded:
-                self._write_sharded(args, state, name, due.ranks, kwargs)
+                metadata = _metadata(state, due.ranks or [rank_rng()])
+                self._write_sharded(args, name, metadata, kwargs)
                 return
             if args.should_save:  # the Trainer's own rule: the main process writes
                 try:
@@ -246,15 +247,9 @@ class VaultCallback(SavePoints, TrainerCallback):  # type: ignore[misc]
             self._retain(args)
 
     def _write_sharded(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        name: str,
-        ranks: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
+        self, args: TrainingArguments, name: str, metadata: dict[str, str], kwargs: dict[str, Any]
     ) -> None:
         """Store the checkpoint of a sharded model (every rank, collective)."""
-        metadata = _metadata(state, ranks or [rank_rng()])
         save_sharded(
             self.vault, name, kwargs["model"], unwrap(kwargs.get("optimizer"), "optimizer"),
             unwrap(kwargs.get("lr_scheduler"), "scheduler"), metadata, FIX,

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._base.dtypes import ITEMSIZE, numel
-from ..._base.errors import FormatError
+from ..._base.errors import ChecksumError, FormatError
 from ..._file.header import TensorInfo, encode_header
 from ..._file.manifest import MANIFEST_KEY, Manifest
 from ..._training.codec import decode
 from ..objects.address import content_hash, object_key
 from ..objects.prefetch import prefetch
-from ..objects.read import damaged, read_object
+from ..objects.read import damaged, read_object, read_verified
 from ..store.backend import Store
 from ..store.pack import missing
 from .dcp_layout import Chunk, Layout, grid_chunk, parse_layout, parse_table
@@ -70,17 +70,18 @@ def read_tables(
     out = {}
     for i, digest in sorted(digests.items()):
         try:
-            raw = got[i] if i in got else read_object(store, digest)
+            files = {digest: got[i]} if i in got else None
+            raw = read_verified(store, digest, files=files)
         except FileNotFoundError:
             raise FormatError(
                 f"{where}: chunk table of rank {i} ({digest[:12]}) is missing; the vault is "
                 "damaged, run 'weightvault vault ROOT verify'"
             ) from None
-        if content_hash(raw) != digest:
+        except ChecksumError:
             raise FormatError(
                 f"{where}: chunk table of rank {i} ({digest[:12]}) is corrupt (hash mismatch); "
                 "run 'weightvault vault ROOT verify'"
-            )
+            ) from None
         out[i] = parse_table(raw, f"{where} (table of rank {i})")
     return out
 

@@ -35,6 +35,7 @@ __all__ = [
     "is_moment",
     "label_times",
     "object_digests",
+    "object_map",
     "parse_header_text",
     "parse_record",
 ]
@@ -195,6 +196,20 @@ def _field(
     return value
 
 
+def object_map(doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The record ``doc``'s ``objects``, ``{stored tensor: object name}``, unchecked, or
+    ``None`` where it holds none that is a JSON object. Every reader of a record's
+    objects starts here: :func:`object_digests`, and a load's
+    :func:`~.checkpoint.record_objects`.
+
+    Example:
+        >>> object_map({"objects": {"w": "ab12"}})
+        {'w': 'ab12'}
+    """
+    objects = doc.get("objects")
+    return objects if isinstance(objects, dict) else None
+
+
 def object_digests(doc: Mapping[str, Any]) -> set[str] | None:
     """The objects the record ``doc`` names: every digest its ``objects`` holds, checked
     for type only (a load checks them against the header); ``None`` for a record that
@@ -204,8 +219,8 @@ def object_digests(doc: Mapping[str, Any]) -> set[str] | None:
         >>> object_digests({"objects": {"w": "ab12", "b": "cd34"}}) == {"ab12", "cd34"}
         True
     """
-    objects = doc.get("objects")
-    if doc.get("kind") is not None or not isinstance(objects, dict):
+    objects = object_map(doc)
+    if doc.get("kind") is not None or objects is None:
         return None
     return {d for d in objects.values() if isinstance(d, str)}
 

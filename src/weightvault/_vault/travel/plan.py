@@ -16,9 +16,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import islice
 
 from ..._base.pools import each, workers
 from ..objects.address import is_temp
+from ..objects.chain import walk
 from ..objects.encoding import stored_depth
 from ..objects.frame import Frame
 from ..objects.probe import object_frame
@@ -106,14 +108,12 @@ class Plan:
         """The links of ``digest``'s chain that only it needs: named by no checkpoint
         being sent, and missing on the receiver."""
         out, seen = [], {digest}
-        frame = self.frames.get(digest)
-        while frame is not None and frame.base is not None:
-            base = frame.base
+        # The walk's first link is ``digest`` itself; the frames read are the plan's.
+        for base, _ in islice(walk(digest, self.frames.get), 1, None):
             if base in self.tops or base in self.have or base in seen:
                 break
             out.append(base)
             seen.add(base)
-            frame = self.frames.get(base)
         return out
 
     def _choose(self) -> None:

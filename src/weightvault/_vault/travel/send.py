@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import contextlib
 
-from ..._base.errors import FormatError
-from ..objects.address import content_hash, object_key
+from ..._base.errors import ChecksumError, FormatError
+from ..objects.address import object_key
 from ..objects.codec import Codec
 from ..objects.encoding import Parts, encode_full
 from ..objects.file import object_file
-from ..objects.frame import HEADER_SIZE, Frame, is_frame, parse_frame_header
-from ..objects.read import read_object
+from ..objects.frame import HEADER_SIZE, Frame
+from ..objects.probe import parse_head
+from ..objects.read import read_verified
 from ..store.backend import Store
 from .plan import Plan
 
 __all__ = ["base_of", "check", "fetch", "prepare", "whole"]
+
+#: Why a file whose bytes decoded is refused: they are not the object its name says.
+_MISMATCH = "its bytes do not match its name (blake3)"
 
 
 def fetch(store: Store, digests: list[str]) -> dict[str, bytes | memoryview]:
@@ -50,13 +54,13 @@ def check(source: Store, digest: str, nbytes: int, data: bytes | memoryview) -> 
     decoded as a reader of the receiver would (a delta on its base's raw bytes, read
     from the source by name) and hashed."""
     try:
-        raw = read_object(source, digest, nbytes, files={digest: data})
+        read_verified(source, digest, nbytes, files={digest: data})
     except FileNotFoundError:
         return "its delta base is missing"
+    except ChecksumError:
+        return _MISMATCH
     except FormatError as e:
         return str(e)
-    if raw.nbytes != nbytes or content_hash(raw) != digest:
-        return "its bytes do not match its name (blake3)"
     return None
 
 
@@ -67,11 +71,11 @@ def whole(source: Store, digest: str, nbytes: int, frame: Frame | None, codec: C
         FormatError: Its chain does not decode, or its bytes do not match its name.
     """
     try:
-        raw = read_object(source, digest, nbytes)
+        raw = read_verified(source, digest, nbytes)
     except FileNotFoundError:
         raise FormatError("it is missing") from None
-    if content_hash(raw) != digest:
-        raise FormatError("its bytes do not match its name (blake3)")
+    except ChecksumError:
+        raise FormatError(_MISMATCH) from None
     parts = encode_full(raw, frame.itemsize if frame is not None else 4, codec)
     # Checked as every sent file is: a codec fault must not reach the receiver.
     why = check(source, digest, nbytes, b"".join(parts))
@@ -81,11 +85,13 @@ def whole(source: Store, digest: str, nbytes: int, frame: Frame | None, codec: C
 
 
 def base_of(data: bytes | memoryview, nbytes: int) -> str | None:
-    """The delta base file ``data`` names, or ``None`` for raw bytes or a full frame."""
+    """The delta base file ``data`` names, or ``None`` for raw bytes or a full frame.
+
+    Asked only of a file :func:`check` passed, whose header therefore parses.
+    """
     view = memoryview(data).cast("B")
-    if not is_frame(view) or view.nbytes == nbytes:
-        return None
-    return parse_frame_header(view[:HEADER_SIZE]).base
+    frame = None if view.nbytes == nbytes else parse_head(view[:HEADER_SIZE])
+    return frame.base if frame is not None else None
 
 
 def prepare(plan: Plan, digest: str, data: bytes | memoryview | None, codec: Codec) -> Parts:

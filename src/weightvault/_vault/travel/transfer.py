@@ -7,20 +7,20 @@ object is sent as its file is stored (raw bytes, a compressed frame, or a delta 
 the receiver then needs too): nothing is decoded and encoded again, with one exception.
 
 **Long chains.** An older checkpoint's changed tensor is a delta on the next one's, and
-so on up to a full object (see :mod:`.compact`). Pulled alone, it would bring every link.
-When the links of an object's chain that no checkpoint being sent names and the
+so on up to a full object (see :mod:`..upkeep.compact`). Pulled alone, it would bring
+every link. When the links of an object's chain that no checkpoint being sent names and the
 receiver lacks add up to more than the tensor's raw size, the object is sent **whole**
 instead: decoded on the sender, its blake3 checked, compressed as the compactor would a
 newest object. So a checkpoint pulled alone costs about what it would cost saved alone.
 
 **What the receiver is guaranteed.** The receiving side follows the commit protocol of
-:mod:`.commit`, as a save does:
+:mod:`..writing.commit`, as a save does:
 
 1. An intent naming every object the transfer will reference is written first, before
    the receiver is asked what it holds; bases found while following chains are added to
    it (it is rewritten, never absent) before they are looked up, and it is rewritten
    after every batch so it never ages into one gc expires. A gc on the receiver
-   therefore frees nothing the transfer relies on (:mod:`.gc`).
+   therefore frees nothing the transfer relies on (:mod:`..upkeep.gc`).
 2. Every object is checked before it is written: its file, exactly as it will be
    stored, decoded (a delta on its base's raw bytes) and hashed against its name. A
    damaged source object is reported, not sent, and no checkpoint needing it is

@@ -32,9 +32,9 @@ import time
 import uuid
 from collections.abc import Callable
 
-from ..._base.errors import FormatError, VaultBusyError
-from ..objects.address import DIGEST, content_hash, is_temp, object_key
-from ..objects.read import read_object
+from ..._base.errors import ChecksumError, FormatError, VaultBusyError
+from ..objects.address import DIGEST, is_temp, object_key
+from ..objects.read import read_verified
 from ..records.todo import held_packs, pending
 from ..store import lease
 from ..store.backend import Blob, Store
@@ -149,14 +149,14 @@ def _copy_out(store: Store, index: dict[str, Packed], digests: list[str]) -> Non
     """Write ``digests`` loose, raw, from their pack, each checked against its name."""
 
     def checked(digest: str, nbytes: int) -> memoryview | None:
-        raw = read_object(store, digest, nbytes)
-        if content_hash(raw) == digest:
-            return raw
-        log.warning(
-            "%s: object %s in pack %s does not match its name; left in its pack",
-            store.url, digest[:12], index[digest].pack,
-        )  # fmt: skip
-        return None
+        try:
+            return read_verified(store, digest, nbytes)
+        except ChecksumError:
+            log.warning(
+                "%s: object %s in pack %s does not match its name; left in its pack",
+                store.url, digest[:12], index[digest].pack,
+            )  # fmt: skip
+            return None
 
     unpack(store, ((d, index[d].size) for d in digests), checked)
 

@@ -22,6 +22,7 @@ from ..records.checkpoint import check_objects, open_record, record_objects
 from ..records.intents import read_intent
 from ..records.names import record_key, record_names
 from ..records.reading import read_doc
+from ..records.record import object_digests
 from ..store.backend import Store
 
 __all__ = ["STALE_SECONDS", "live_objects", "named_objects"]
@@ -82,7 +83,7 @@ def named_objects(store: Store, name: str, doc: dict[str, Any]) -> set[str]:
     be exactly its header's tensors, each a digest. Checking only that takes 0.07 ms per
     record of the lm run, where building every tensor's and the manifest's entries as a
     load does (:func:`open_record`) took 1.2 ms: two thirds of a gc after 300 saves, which
-    reads every record twice (docs/benchmarks.md, section 27). A record of
+    reads every record twice (docs/benchmarks-log.md, section 27). A record of
     ``weightvault.dcp`` names its chunks in its header: it is opened whole.
 
     Raises:
@@ -98,4 +99,4 @@ def named_objects(store: Store, name: str, doc: dict[str, Any]) -> set[str]:
         raise FormatError(f"{where}: checkpoint header is malformed ({e!r:.100})") from e
     names = tensors.keys() - {METADATA_KEY} if isinstance(tensors, dict) else None
     check_objects(objects, names, where)
-    return set(objects.values())
+    return object_digests(doc) or set()  # every one a digest, checked just now

@@ -17,6 +17,7 @@ from ..._base.errors import CheckpointNotFoundError, FormatError
 from ..records.names import record_key, record_names
 from ..records.order import creation_order
 from ..records.reading import read_doc
+from ..records.record import object_digests
 from ..store.backend import Store
 
 __all__ = ["Records", "Tensors"]
@@ -35,7 +36,7 @@ class Records:
         self.listed = set(listed)  # damaged ones too: what a second listing sees
         # Ordered from the start of each record; a record is read whole only when its
         # tensors are needed (every record whole cost each pass 0.23 ms per checkpoint
-        # the vault holds: docs/benchmarks.md, section 26). A record damaged past its
+        # the vault holds: docs/benchmarks-log.md, section 26). A record damaged past its
         # start is listed, and its tensors are None: its objects stay as they are, and
         # the checkpoints on either side of it are not paired (verify reports it).
         order = creation_order(store, listed, skip_damaged=True)
@@ -87,9 +88,8 @@ class Records:
                 doc = self._doc(name)
             except (FormatError, CheckpointNotFoundError):
                 continue
-            objects, packs = doc.get("objects"), doc.get("packs")
-            named = objects.values() if isinstance(objects, dict) else ()
-            hit = doc.get("kind") is None and any(isinstance(d, str) and d in left for d in named)
+            packs = doc.get("packs")
+            hit = not (object_digests(doc) or set()).isdisjoint(left)
             if hit and name not in self._tensors:
                 self._tensors[name] = self._parse(name, doc)  # the doc just read, not again
             tensors = self.tensors(name) if hit else None
