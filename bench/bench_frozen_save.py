@@ -45,42 +45,24 @@ from typing import Any, ClassVar
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch
 from _common import fsync_path, machine
+from bench_vault_speed import CHECKPOINTS, SHAPE, gpt2_model, gpt2_states
 
 from weightvault import Vault
 
-CHECKPOINTS = 10
-#: bench_vault_speed.py's GPT-2 run (``--tiny`` makes a smoke test of the script).
-SHAPE = {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_positions": 256}
+# The model, its shape (``--tiny`` makes a smoke test of the script) and its training
+# are bench_vault_speed.py's GPT-2 run, with the final norm trainable too.
 FULL, VAULT = "save_model + fsync", "vault.save"
 
 
 def build() -> tuple[Any, Any]:
     """The model, frozen but for its last block and ``ln_f``, and its AdamW."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**SHAPE)).train()
-    model.requires_grad_(False)
-    model.transformer.h[-1].requires_grad_(True)
-    model.transformer.ln_f.requires_grad_(True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return model, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    return gpt2_model(frozen=True, ln_f=True)
 
 
 def states(steps: int) -> Iterator[tuple[int, Any]]:
     """The model after each of the 10 checkpoints' ``steps`` training steps."""
-    import _train_lm as T
-
-    model, opt = build()
-    data = T.batches(T.text(), 0)
-    for k in range(CHECKPOINTS):
-        for _ in range(steps):
-            batch = next(data)[:4]
-            model(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    for k, (model, _) in enumerate(gpt2_states(steps, frozen=True, ln_f=True)):
         yield k, model
 
 

@@ -76,9 +76,9 @@ def _cpu() -> float:
 SHAPE = {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_positions": 256}
 
 
-def gpt2_model(frozen: bool = False) -> tuple[Any, Any]:
+def gpt2_model(frozen: bool = False, ln_f: bool = False) -> tuple[Any, Any]:
     """GPT-2 6 x 512 (seeded, from the config) and its AdamW at lr 1e-4; ``frozen``
-    leaves only the last block trainable."""
+    leaves only the last block trainable (and the final norm, with ``ln_f``)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -86,15 +86,16 @@ def gpt2_model(frozen: bool = False) -> tuple[Any, Any]:
     if frozen:
         model.requires_grad_(False)
         model.transformer.h[-1].requires_grad_(True)
+        model.transformer.ln_f.requires_grad_(ln_f)
     params = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
 
 
-def gpt2_states(steps: int, frozen: bool = False) -> Iterator[tuple[Any, Any]]:
+def gpt2_states(steps: int, frozen: bool = False, ln_f: bool = False) -> Iterator[tuple[Any, Any]]:
     """GPT-2 6 x 512 and its AdamW after each of 10 rounds of ``steps`` training steps."""
     import _train_lm as T
 
-    model, opt = gpt2_model(frozen)
+    model, opt = gpt2_model(frozen, ln_f)
     data = T.batches(T.text(), 0)
     for _ in range(CHECKPOINTS):
         for _ in range(steps):
