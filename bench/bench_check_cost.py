@@ -144,11 +144,14 @@ def _check_resume(model: Any, opt: Any, sched: Any, fresh: Any, f_opt: Any, f_sc
 
 
 def _forget_packs(wv: Any) -> None:
-    """Empty this process' pack tables, as a new process starts (both trees keep them in
-    ``_vault.pack._tables``)."""
+    """Empty this process' pack tables, as a new process starts (trees keep them in
+    ``_vault.pack._tables``, or ``_vault.store.pack._tables`` since the vault's folders)."""
     import importlib
 
-    pack = importlib.import_module(f"{wv.__name__}._vault.pack")
+    try:
+        pack = importlib.import_module(f"{wv.__name__}._vault.store.pack")
+    except ModuleNotFoundError:
+        pack = importlib.import_module(f"{wv.__name__}._vault.pack")
     pack._tables.clear()
 
 

@@ -95,7 +95,10 @@ def make_vault(root: Path, kind: str, reader: str) -> tuple[Path, str, str]:
     vault.save({"w": big(1)})
     vault.compact()  # settled: 000002 a full compressed frame, 000001 a delta on it
     if reader == "compaction" and kind == "compressed":
-        vault.save({"w": big(2)})  # a new newest: the full 000002 is decoded, made a delta
+        # Two new checkpoints: 000003, no longer the newest, becomes a delta on the anchor
+        # 000002, which the compaction decodes to make it.
+        vault.save({"w": big(2)})
+        vault.save({"w": big(3)})
     if reader == "compaction" and kind == "delta":
         vault.delete("000002")  # the newest is a delta now: decoded and made full
     name = "000002" if kind == "compressed" else "000001"

@@ -183,6 +183,9 @@ from torch import nn
 from weightvault import Vault
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+with torch.no_grad():  # bf16's precision: whole weights that compress, so a load decodes
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())
 if sys.argv[2] == "save":
     vault = Vault(sys.argv[1])
     vault.save(model)

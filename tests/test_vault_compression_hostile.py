@@ -49,14 +49,16 @@ def objects(root: Path, name: str) -> dict[str, Path]:
 
 @pytest.fixture
 def vault(tmp_path: Path) -> Vault:
-    """Three checkpoints, compacted: ``000002`` holds ``w`` in full, ``000001`` as a
-    delta on it (deltas point back, from older to newer); ``start``, the oldest, whole."""
+    """Three checkpoints, compacted: ``000002``, the newest, holds ``w`` whole; ``start``,
+    the oldest, is the anchor, whole too; ``000001`` is one delta on the anchor."""
     v = Vault(tmp_path)
     v.save(One(values(-1)), "start")
     v.save(One(values(0)))
     v.save(One(values(1)))
     v.compact()  # settled: the newest full, not left raw
-    assert objects(tmp_path, "000001")["w"].read_bytes()[11] == 2  # a difference delta
+    delta = objects(tmp_path, "000001")["w"].read_bytes()
+    assert delta[11] == 2  # a difference delta
+    assert delta[32:64].hex() == objects(tmp_path, "start")["w"].name  # on the anchor
     return v
 
 
@@ -158,20 +160,20 @@ def test_a_block_whose_header_lies_about_its_size_never_overflows(vault: Vault) 
 
 
 def test_a_delta_whose_base_is_missing_is_refused(vault: Vault) -> None:
-    objects(root(vault), "000002")["w"].unlink()
+    objects(root(vault), "start")["w"].unlink()
     refused(vault, "000001", r"its delta base [0-9a-f]{12} is missing")
 
 
 def test_a_delta_whose_base_has_another_dtype_is_refused(vault: Vault) -> None:
     """The base's frame splits 2-byte items (a bf16 tensor of the same size)."""
-    path = objects(root(vault), "000002")["w"]
+    path = objects(root(vault), "start")["w"]
     raw = values(1).numpy().tobytes()
     path.write_bytes(b"".join(encode_frame(memoryview(raw), 2, CODECS["blosc2"])))
     refused(vault, "000001", "holds 2-byte items, its delta 4-byte ones")
 
 
 def test_a_delta_whose_base_has_another_shape_is_refused(vault: Vault) -> None:
-    path = objects(root(vault), "000002")["w"]
+    path = objects(root(vault), "start")["w"]
     raw = torch.linspace(-1, 1, N // 2).numpy().tobytes()
     path.write_bytes(b"".join(encode_frame(memoryview(raw), 4, CODECS["blosc2"])))
     refused(vault, "000001", "claims 32768 raw bytes, the record says 65536")
@@ -180,7 +182,7 @@ def test_a_delta_whose_base_has_another_shape_is_refused(vault: Vault) -> None:
 def test_a_cycle_of_deltas_is_refused_not_followed(vault: Vault) -> None:
     """The base rewritten as a delta on the delta: each names the other."""
     objs = objects(root(vault), "000001")
-    base, delta = objects(root(vault), "000002")["w"], objs["w"]
+    base, delta = objects(root(vault), "start")["w"], objs["w"]
     d = bytearray(delta.read_bytes())
     base_digest = bytes(d[32:64])
     b = bytearray(d)  # the same frame, pointing back at the delta
@@ -220,7 +222,7 @@ def test_a_ranged_read_of_a_damaged_frame_is_a_format_error(vault: Vault) -> Non
     assert read_range(vault.store, path.name, 4, 12) == values(0).numpy().tobytes()[4:12]
     with pytest.raises(FormatError, match="lie outside the object's 65536"):
         read_range(vault.store, path.name, 0, 1 << 20)
-    objects(root(vault), "000002")["w"].unlink()
+    objects(root(vault), "start")["w"].unlink()
     with pytest.raises(FormatError, match=rf"objects/{path.name[:2]}/{path.name}: its delta base"):
         read_range(vault.store, path.name, 0, 16)
 

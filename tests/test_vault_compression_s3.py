@@ -21,6 +21,7 @@ from torch import nn  # noqa: E402
 
 from test_vault_s3 import aws_env, bucket, endpoint, fs, options  # noqa: E402, F401
 from weightvault import FormatError, Vault  # noqa: E402
+from weightvault._vault.objects.frame import MAGIC  # noqa: E402
 
 
 def trained() -> tuple[nn.Module, Any]:
@@ -54,17 +55,19 @@ def test_deltas_and_weights_only_history_on_s3(
         step(model, opt)
         vault.save(model, optimizer=opt)
         saved.append(state(model))
-    vault.compact()  # settled: the newest compressed too
+    vault.compact()  # settled: anchors and deltas
 
     def head(name: str) -> bytes:
         digest = _digest(vault, name)
         return bytes(fs(options).cat_file(f"{bucket}/run/objects/{digest[:2]}/{digest}")[:64])
 
-    # Deltas point back, at most K = 2 behind a full object; the oldest holds weights only
-    # (training_state_last=1), so it is a delta too: 1 -> 2 -> 3 (full), 4 -> 5 -> 6 (full).
-    kinds = [head(f"00000{i}")[11] for i in range(1, 7)]
-    assert kinds == [2, 2, 0, 2, 2, 0]  # 2: a difference delta; 0: a full object
-    assert _base_of(vault, "000005") == _digest(vault, "000006")
+    # Each checkpoint is whole (an anchor, raw fp32) or one delta on an anchor, at most
+    # K = 2 deltas per anchor, the newest whole: 1 <- 2, 3; 4 <- 5; 6.
+    whole = [head(f"00000{i}")[:8] != MAGIC for i in range(1, 7)]
+    assert whole == [True, False, False, True, False, True]
+    assert {head(f"00000{i}")[11] for i in (2, 3, 5)} == {2}  # a difference delta
+    assert _base_of(vault, "000002") == _base_of(vault, "000003") == _digest(vault, "000001")
+    assert _base_of(vault, "000005") == _digest(vault, "000004")
 
     vault.retain(keep_last=3)
     vault.gc()

@@ -2,7 +2,7 @@
 the model, whatever adapter loads it (issue 22, item 5).
 
 Each load runs in a fresh process (``_load_memory_worker.py``) on the 192 MiB model the
-issue measured, stored compressed (the vault's default), and reports the kernel's
+issue measured, stored compressed (values of bf16 precision), and reports the kernel's
 high-water mark of its RSS, reset just before the load, minus the RSS before it. Holding
 every decoded object until the copies (as loads once did) added the whole model again.
 """

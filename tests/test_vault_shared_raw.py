@@ -1,7 +1,9 @@
-"""Objects that checkpoints share unchanged (a frozen backbone) are read by every resume:
-the compactor compresses them only when that saves at least ``1 - SHARED_PAYS``, where
-other objects need ``1 - PAYS``. Shared means named by a checkpoint and the one before
-it, or listed as frozen by the record (known from the first save on)."""
+"""Whole weights are read by every resume and by every delta on them (anchors), and objects
+that checkpoints share unchanged (a frozen backbone) by every resume of each: the
+compactor compresses those only when that saves at least ``1 - ANCHOR_PAYS`` (``1 -
+SHARED_PAYS``), where training state read by one checkpoint alone needs ``1 - PAYS``.
+Shared means named by a checkpoint and the one before it, or listed as frozen by the
+record (known from the first save on)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ from torch import nn  # noqa: E402
 
 from weightvault import Vault  # noqa: E402
 from weightvault._vault.objects.codec import CODECS, DEFAULT  # noqa: E402
-from weightvault._vault.objects.encoding import PAYS, SHARED_PAYS, encode_full, size_of  # noqa: E402
+from weightvault._vault.objects.encoding import (  # noqa: E402
+    ANCHOR_PAYS,
+    PAYS,
+    SHARED_PAYS,
+    encode_full,
+    size_of,
+)
 from weightvault._vault.objects.file import object_file  # noqa: E402
 from weightvault._vault.objects.frame import HEADER_SIZE, is_frame, parse_frame_header  # noqa: E402
 
@@ -58,7 +66,8 @@ def test_the_bytes_of_this_file_lie_between_the_two_thresholds() -> None:
     # Without this, the tests below would not tell the two thresholds apart.
     net = Net()
     assert SHARED_PAYS < ratio(net.backbone) <= PAYS
-    assert ratio(net.mask) <= SHARED_PAYS
+    assert ANCHOR_PAYS < ratio(net.head) <= PAYS
+    assert ratio(net.mask) <= min(SHARED_PAYS, ANCHOR_PAYS)
 
 
 def test_a_shared_weight_stays_raw_and_a_shared_buffer_is_compressed(tmp_path: Path) -> None:
@@ -73,10 +82,12 @@ def test_a_shared_weight_stays_raw_and_a_shared_buffer_is_compressed(tmp_path: P
     names = [r.name for r in vault.list()]
     assert kind(vault, names[-1], "backbone") == "raw"
     assert kind(vault, names[-1], "mask") == "full"
-    assert kind(vault, names[0], "head") == "delta"  # the rest is compacted as before
-    vault.compact()  # settles: the newest's own objects are compressed, the shared not
+    assert kind(vault, names[0], "head") == "raw"  # the anchor: as it was saved
+    assert kind(vault, names[1], "head") == "delta"  # on the anchor
+    vault.compact()  # settles: nothing here compresses enough to be decoded by a read
     assert kind(vault, names[-1], "backbone") == "raw"
-    assert kind(vault, names[-1], "head") == "full"
+    assert kind(vault, names[-1], "head") == "raw"
+    assert kind(vault, names[-1], "mask") == "full"
     for name, want in zip(names, saved, strict=True):
         got = Net()
         vault.load(got, name)
@@ -92,11 +103,16 @@ def test_a_frozen_weight_stays_raw_from_the_first_checkpoint(
     # One checkpoint: nothing is shared yet, but the record lists the weight as frozen.
     vault = Vault(tmp_path, compaction=compaction)
     net = Net()
-    vault.save(net)
+    opt = torch.optim.SGD([net.head], lr=0.0, momentum=0.9)
+    net.head.grad = torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.02
+    opt.step()  # the momentum: the same kind of bytes as the weights, training state
+    vault.save(net, optimizer=opt)
     vault.compact()
     name = vault.list()[-1].name
     assert kind(vault, name, "backbone") == "raw"
-    assert kind(vault, name, "head") == "full"  # the same kind of bytes, trainable
+    assert kind(vault, name, "head") == "raw"  # a weight: an anchor
+    moment = next(n for n in vault.open(name).objects if "momentum" in n)
+    assert kind(vault, name, moment) == "full"  # read by this checkpoint alone
     got = Net()
     vault.load(got, name)
     assert torch.equal(got.backbone, net.backbone)

@@ -182,10 +182,12 @@ def test_a_base_another_writer_stored_anew_is_read_back_not_trusted(tmp_path: Pa
     m = nn.Linear(256, 256)
     vault.save(m)
     nudge(m)
+    with torch.no_grad():  # bf16's precision: a whole weight that compresses
+        m.weight.copy_(m.weight.to(torch.bfloat16).float())
     vault.save(m)
     nudge(m)
-    # Settled: the second save's weight is now a frame this vault's compactor wrote, and
-    # no compactor thread reads it any more.
+    # Settled: the second save's weight is now a compressed frame this vault's compactor
+    # wrote, and no compactor thread reads it any more.
     vault.compact()
     # Another writer stores that weight again, raw, as a vault without compression
     # would: same name, another size. This vault's memory of it is stale. It writes as

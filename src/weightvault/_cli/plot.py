@@ -42,7 +42,7 @@ class Point:
         step: Its training step, or ``None``.
         raw_bytes: Its raw bytes (distinct tensors, uncompressed).
         written_bytes: What its new objects take on disk now (compressed, or deltas on
-            the next checkpoint's, once compacted).
+            their anchors, once compacted).
         vault_bytes: New objects' raw bytes so far (deduplication alone).
         disk_bytes: What the saves so far wrote on disk.
         files_bytes: Raw bytes so far, as separate files.

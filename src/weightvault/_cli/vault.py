@@ -347,8 +347,9 @@ def register(sub: Subparsers) -> None:
     verb(
         "compact",
         cmd_compact,
-        "Compress what saves wrote raw, and turn each checkpoint's objects into deltas on "
-        "the next one's (the newest stays whole); exit 1 if a damaged object was found.",
+        "Compress what saves wrote raw, and turn older checkpoints' changed weights into "
+        "deltas on their anchors (the newest stays whole); exit 1 if a damaged object was "
+        "found.",
     )
     p = verb("export", cmd_export, "Write one checkpoint as a standalone safetensors file.")
     p.add_argument("name", help="the checkpoint, or 'latest'")

@@ -393,7 +393,7 @@ def checksum_error(path: str, bad: list[str]) -> ChecksumError:
 #: enough that each reading thread's window stays in its core's cache between the read and
 #: the hash: with 4 MiB windows, two threads overflowed an 8 MiB L3 and the hash read the
 #: bytes from memory again (a verified vault load of GPT-2's 497 MB: 225 ms with 4 MiB
-#: windows, 185 ms with 1 MiB; docs/benchmarks.md section 28).
+#: windows, 185 ms with 1 MiB; docs/benchmarks-log.md section 28).
 HASH_WINDOW = 1 << 20
 #: An eager reader may allocate this many bytes for any file, however small.
 MATERIALIZE_FLOOR = 256 << 20
@@ -421,7 +421,7 @@ def new_buffer(nbytes: int) -> memoryview:
     Never zeroed first (a pass of its own over half a gigabyte). From
     :data:`HUGE_BUFFER` bytes on, an anonymous mapping advised to transparent huge pages:
     a ``preadv`` into fresh 4 KiB pages faults each one in, which made reading a 200 MiB
-    object into memory 2.7x slower than into huge pages (docs/benchmarks.md, section 31).
+    object into memory 2.7x slower than into huge pages (docs/benchmarks-log.md, section 31).
     Anonymous, so no truncation of any file can take its pages away; unmapped when the
     last view of it goes.
     """

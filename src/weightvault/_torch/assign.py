@@ -23,7 +23,7 @@ from .tensors import NAMES, read_tensor
 #: Threads that copy bytes into parameters during a load (reads release the GIL).
 READERS = min(4, os.cpu_count() or 1)
 #: Smaller tensors are copied on the calling thread: handing them to a reader cost more
-#: than the copy (measured on a 13 MB GPT-2, docs/benchmarks.md section 11).
+#: than the copy (measured on a 13 MB GPT-2, docs/benchmarks-log.md section 11).
 _THREADED = 1 << 20
 
 

@@ -194,7 +194,7 @@ def _read_all(ckpt: Checkpoint, names: list[str]) -> list[torch.Tensor]:
     checkpoint's bytes), the smaller ones meanwhile on the calling thread.
 
     Handing a small tensor to a thread costs more than reading it: on the 13 MB GPT-2
-    of docs/benchmarks.md (section 21), whose 156 AdamW tensors are all 1 MiB or less,
+    of docs/benchmarks-log.md (section 21), whose 156 AdamW tensors are all 1 MiB or less,
     a resume took 20.6 ms with only the 1 MiB ones on the threads against 22.5 ms with
     every one there (34 against 42 ms from a compressed vault); thresholds of 128 and
     256 KiB were slower than 1 MiB, compressed or not.

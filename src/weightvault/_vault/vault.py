@@ -76,11 +76,13 @@ class Vault(RecordMethods, UpkeepMethods):
         compression: How the compactor compresses objects (``"blosc2"``: byte planes,
             then zstd), or ``None`` to keep raw bytes (and not compact). Either way every
             object is named by the blake3 of its raw bytes, and vaults of any mix load.
-        delta_chain: The compactor stores an older checkpoint's changed tensor as the
-            difference to its value in the next checkpoint when that is smaller, with
-            at most ``delta_chain`` deltas behind one full object: the newest checkpoint
-            reads one object per tensor, any other at most ``delta_chain + 1``. 0
-            turns deltas off.
+        delta_chain: The most deltas per anchor. The compactor stores an older
+            checkpoint's changed weight as the difference to its tensor's *anchor*, a
+            whole object of the same tensor in an earlier checkpoint, when that is
+            smaller; never a delta on a delta. Once ``delta_chain`` deltas point at an
+            anchor (or a delta stops paying), the next changed weight stays whole and
+            is the next anchor. A load reads at most two objects per tensor (one from
+            the newest); training state is always whole. 0 turns deltas off.
         compaction: When the compactor runs: ``"background"`` (a thread of this
             process, after each save, yielding to saves and loads), ``"after-save"``
             (inside each save, before it returns), or ``None`` (only on :meth:`compact`

@@ -4,7 +4,7 @@ A resume in a new process is what users run after a crash or at the start of an
 evaluation, and its first compressed block used to import python-blosc2: 180-210 ms in a
 process that has imported torch and transformers (the package imports most of itself,
 and the allocations set off a full garbage collection), against 31 ms for the whole
-load of the 13 MB GPT-2 of docs/benchmarks.md (section 22). Decoding needs three
+load of the 13 MB GPT-2 of docs/benchmarks-log.md (section 22). Decoding needs three
 functions of the C library that the wheel ships beside the package (``blosc2/lib``), so
 this module loads that library with :mod:`ctypes` (2-9 ms) and calls them directly.
 ctypes releases the GIL for each call, so a load's threads decode on every core, as

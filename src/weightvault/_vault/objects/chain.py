@@ -162,7 +162,7 @@ def with_bases(
     while frontier:
         # A few runs of digests per thread, not one task each: reading a frame's header
         # costs about what handing it to a thread does (a gc after 300 saves of the lm
-        # run reads 4,200, twice; docs/benchmarks.md, section 27).
+        # run reads 4,200, twice; docs/benchmarks-log.md, section 27).
         runs = [frontier[i::_FRAME_RUNS] for i in range(min(_FRAME_RUNS, len(frontier)))]
         found = {
             f.base

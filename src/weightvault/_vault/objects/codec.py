@@ -16,7 +16,7 @@ block of 1 MiB or more is also split over blosc2's own C threads, one per core
 small took 1.13 s against 1.20 s. Decoding
 stays on one blosc2 thread per call: alone it is 3.4x faster on two, but inside a load
 (whose own threads overlap reads, checks and copies) one thread measured faster (10.3 ms
-against 12.4 ms for the 13 MB model of docs/benchmarks.md section 11); without the GIL,
+against 12.4 ms for the 13 MB model of docs/benchmarks-log.md section 11); without the GIL,
 the load's threads decode on every core.
 
 Decoding calls C-Blosc2's library directly where it can (:mod:`.blosc2_c`), so a resume
@@ -103,7 +103,7 @@ DEFAULT = "blosc2"
 #: are, which is what the noise of a trained update leaves to a lossless coder: on the
 #: lm run's zigzag differences 0.548 of raw at lr 3e-5 and 0.697 at lr 1e-3, where
 #: blosc2 takes 0.571 and 0.709, and it decodes at 2.3 GB/s on one core against
-#: blosc2's 1.0-1.5 (docs/benchmarks.md, section 18). Level 8, its strongest: a level 4
+#: blosc2's 1.0-1.5 (docs/benchmarks-log.md, section 18). Level 8, its strongest: a level 4
 #: block was 0.573. Only for 2-, 4- and 8-byte words, which pcodec reads as unsigned
 #: integers; other deltas stay on blosc2.
 DELTAS = Codec("pcodec", 2, 8)
@@ -312,7 +312,7 @@ class _ReleasedGil:
     python-blosc2 holds the GIL through a (de)compression unless its process-wide
     ``set_releasegil`` is on, so a save's or a load's threads took turns. Turned on while
     any call runs and back to what it was after the last one, it lets them run in
-    parallel: the 35 blocks of the 13 MB GPT-2 of docs/benchmarks.md (section 11) took
+    parallel: the 35 blocks of the 13 MB GPT-2 of docs/benchmarks-log.md (section 11) took
     2.8 ms on two threads against 4.0 ms on one, and no slower than one when the other
     core was busy. Other code that calls blosc2 at the same moment releases the GIL
     too, which only lets its threads run meanwhile.

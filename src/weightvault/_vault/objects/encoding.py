@@ -1,14 +1,17 @@
-"""How a vault object is encoded: raw, a compressed full object, or a delta on a newer one.
+"""How a vault object is encoded: raw, a compressed full object, or a delta on an anchor.
 
 A save writes raw bytes only (the least work a commit needs, see :mod:`..writing.save`);
 the compactor (:mod:`..upkeep.compact`) encodes them afterwards. A tensor that changed between two
 checkpoints is usually close to its old value: the sign, the exponent and the high
 mantissa bits of most elements are unchanged, so the difference of the two bit patterns
 (a zigzag integer difference, see :mod:`.transforms`) compresses far better than the tensor.
-Deltas point **backward**, as in a version-control pack: the newest checkpoint's objects
-are full, and an older object is a delta whose base is the same tensor in the next
-checkpoint. The checkpoint every resume reads therefore decodes one object per tensor,
-and training state dropped from old checkpoints is never the base of a kept one.
+Deltas are built on **anchors**, as video is on key frames: a whole object of the same
+tensor in an older checkpoint, never a delta itself. The newest checkpoint's objects are
+whole, so a resume reads one object per tensor and any other checkpoint at most two; a
+delta 80 steps away from its anchor costs little more than one 10 steps away (trained
+weights at lr 3e-5: 0.63 of raw against 0.54), so one anchor serves up to
+:data:`DELTA_CHAIN` deltas. Training state is never a delta (retention drops the oldest
+state first).
 
 :func:`encode_full` and :func:`encode_delta` turn raw bytes into an object's file; a
 frame is kept only when it saves at least 1 - :data:`PAYS` of the raw bytes, and a delta
@@ -29,6 +32,7 @@ from .probe import probe
 from .transforms import delta_kind, make_delta
 
 __all__ = [
+    "ANCHOR_PAYS",
     "DELTA_CHAIN",
     "PAYS",
     "SHARED_PAYS",
@@ -42,7 +46,8 @@ __all__ = [
     "stored_depth",
 ]
 
-#: The longest run of deltas behind a full object (measured: docs/benchmarks.md, 11).
+#: The most deltas of one tensor on one anchor (a whole object): a new anchor starts
+#: after that many (chain lengths measured: docs/benchmarks-log.md, 11).
 DELTA_CHAIN = 9
 #: A frame is kept only if it is at most this fraction of the raw bytes.
 PAYS = 0.95
@@ -50,13 +55,18 @@ PAYS = 0.95
 #: resume of each of them decodes it, where compressing it saves a part of one copy (the
 #: vault stores it once already). On trained fp32 weights blosc2 reaches about 0.84, and
 #: decoding made a frozen-backbone fine-tune's resume 1.6-2.9x of plain files
-#: (docs/benchmarks.md, section 25); such weights stay raw. bf16 weights (about 0.7) and
+#: (docs/benchmarks-log.md, section 25); such weights stay raw. bf16 weights (about 0.7) and
 #: constant buffers (masks, position ids) are still compressed.
 SHARED_PAYS = 0.75
+#: The same for a tensor's whole object that deltas may point at (an anchor: every read
+#: of a delta on it reads it too) and for the newest (read by a resume, and the anchor
+#: of the checkpoints after it): trained fp32 weights (about 0.84) stay raw, so such a
+#: read is a copy, not a decode. bf16 weights (about 0.7) are compressed.
+ANCHOR_PAYS = SHARED_PAYS
 
 #: Full objects smaller than this stay raw. Decoding one cost a load 20-30 us more than
 #: reading it raw (opening the frame, a call into blosc2), and compressing it to about
-#: 0.84 saves no 4 KiB block of the disk: on the 13 MB GPT-2 of docs/benchmarks.md
+#: 0.84 saves no 4 KiB block of the disk: on the 13 MB GPT-2 of docs/benchmarks-log.md
 #: (section 21), 103 of the newest's 157 objects (layer norms and biases, all 4 KiB or
 #: less), 2.8 ms of a 32 ms resume for 37 KB of its 291 MB.
 SMALL = 16 << 10
@@ -71,8 +81,8 @@ class Storage:
 
     Attributes:
         codec: How objects are compressed; ``None`` keeps them raw (no compaction).
-        max_chain: The most deltas behind one full object: a load of any checkpoint
-            reads at most ``max_chain + 1`` objects per tensor. 0 writes no deltas.
+        max_chain: The most deltas of one tensor on one anchor (a whole object): a load
+            of any checkpoint reads at most 2 objects per tensor. 0 writes no deltas.
     """
 
     codec: Codec | None
@@ -140,7 +150,7 @@ def encode_delta(
 #: pcodec codes a delta only if, on a sample of its words, it takes at most this fraction
 #: of blosc2's bytes. On trained weights it saves 2-4% and decodes twice as fast; on the
 #: differences of barely trained (random) weights it saved 0.5% and decoded at 1.75
-#: GB/s against blosc2's 2.2 (docs/benchmarks.md, section 19): there blosc2 stays.
+#: GB/s against blosc2's 2.2 (docs/benchmarks-log.md, section 19): there blosc2 stays.
 PCODEC_PAYS = 0.99
 #: The sample both codecs code to choose: the payload's first 256 KiB (pcodec encodes
 #: at about 150-200 MB/s, a third of blosc2's speed, so coding whole objects twice

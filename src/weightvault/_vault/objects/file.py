@@ -4,7 +4,7 @@ Nothing here maps a file: local objects and packs are read with ``preadv`` into 
 of the reader's own. An object is immutable once named, but another process, a damaged
 disk or a hostile user can still cut one short, and touching a mapped page past a
 file's new end kills the process with ``SIGBUS``; a short ``preadv`` is a
-:class:`FormatError` naming the object instead (docs/benchmarks.md, section 31, measures both).
+:class:`FormatError` naming the object instead (docs/benchmarks-log.md, section 31, measures both).
 
 Example:
     >>> with ObjectFile(data=memoryview(b"abc")) as f:

@@ -292,7 +292,7 @@ def decode_range(
     ``read_into`` (a ``preadv`` of the file), compressed blocks are read into a few
     buffers of one size that the call reuses: reading each into a new ``bytes`` of its
     own length left the allocator's heaps of every thread holding freed blocks it could
-    not reuse, several MiB of RSS beside a streaming load (docs/benchmarks.md, 10).
+    not reuse, several MiB of RSS beside a streaming load (docs/benchmarks-log.md, 10).
 
     Raises:
         FormatError: A block does not decode to its recorded size.

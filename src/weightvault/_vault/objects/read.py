@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..._base.errors import ChecksumError, FormatError
 from ..._file.checkpoint import HASH_WINDOW
 from ..store.backend import Store
@@ -139,7 +141,12 @@ def _is_raw(head: memoryview, size: int | None, file_size: int) -> bool:
 
 
 def read_object(
-    store: Store, digest: str, nbytes: int | None = None, *, files: Files | None = None
+    store: Store,
+    digest: str,
+    nbytes: int | None = None,
+    *,
+    files: Files | None = None,
+    into: Callable[[int], memoryview] | None = None,
 ) -> memoryview:
     """The raw bytes of object ``digest``, decompressed and its delta chain applied.
 
@@ -147,6 +154,10 @@ def read_object(
     mapped: a file cut short meanwhile is a :class:`FormatError`); a frame is decoded
     into a new buffer of exactly the raw size, which must be ``nbytes`` when
     given: a frame that claims more is refused before anything is allocated.
+
+    ``into(n)``, when given, supplies that buffer (``n`` bytes, or more): a reader of
+    many objects in turn (the compactor) reuses memory it has already touched, since new
+    memory is zeroed by the kernel page by page before the read fills it.
 
     Raises:
         FileNotFoundError: The object is nowhere; callers name the tensor it held.
@@ -163,10 +174,18 @@ def read_object(
         raise
     if raw:
         with f:
-            return f.whole()
+            if into is None or f.preadv is None:
+                return f.whole()
+            out = into(f.size)[: f.size]
+            try:
+                f.read_into(0, out)
+            except FormatError as e:
+                raise FormatError(f"{f.where}: {e}") from None
+            return out
     try:
         with open_object(store, digest, nbytes, files=files, first=f) as obj:
-            out = memoryview(bytearray(obj.size))
+            out = memoryview(bytearray(obj.size)) if into is None else into(obj.size)
+            out = out.cast("B")[: obj.size]
             obj.decode_into(out)
             return out
     except FormatError as e:

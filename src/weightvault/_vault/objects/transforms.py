@@ -90,7 +90,7 @@ def apply_delta(out: memoryview, delta: memoryview, kind: int, itemsize: int) ->
     # Undone in slices that stay in the core's cache, into the delta's own memory and
     # one small mask: whole-block temporaries cost a fresh allocation, and its page
     # faults, per operation (the deepest chain of GPT-2 6 x 512 loaded in 2.8 s with
-    # them, 2.3 s without; docs/benchmarks.md, section 20).
+    # them, 2.3 s without; docs/benchmarks-log.md, section 20).
     mask = np.empty(min(zig.size, _SLICE), zig.dtype)
     for lo in range(0, zig.size, _SLICE):
         z, t = zig[lo : lo + _SLICE], target[lo : lo + _SLICE]

@@ -31,7 +31,7 @@ from ..store.pack import missing
 from .dcp import KIND, DcpCheckpoint
 from .names import record_key
 from .object_checkpoint import ObjectCheckpoint
-from .record import parse_header_text, parse_record
+from .record import object_map, parse_header_text, parse_record
 
 __all__ = ["KEEP_FLOOR", "KEEP_FRACTION", "VaultCheckpoint", "keep_budget", "open_record"]
 
@@ -48,8 +48,8 @@ def record_objects(doc: Mapping[str, Any], where: str) -> tuple[dict[str, Any], 
     Raises:
         FormatError: Either is missing or of the wrong type.
     """
-    objects, header = doc.get("objects"), doc.get("header")
-    if not isinstance(objects, dict) or not isinstance(header, str):
+    objects, header = object_map(doc), doc.get("header")
+    if objects is None or not isinstance(header, str):
         raise FormatError(f"{where}: checkpoint record lacks its header or objects")
     return objects, header
 
@@ -81,7 +81,7 @@ class VaultCheckpoint(ObjectCheckpoint):
     only while they fit in a budget (:func:`keep_budget`: 8% of the checkpoint, at least
     16 MiB), and the others are checked block by block through a small scratch buffer
     and decoded a second time into the model. The trade-off, measured in
-    docs/benchmarks.md (sections 10 and 11): a kept object is decoded once and copied;
+    docs/benchmarks-log.md (sections 10 and 11): a kept object is decoded once and copied;
     any other costs a second decode (about 1 GB/s per core on blosc2 objects) but no
     memory. Kept objects are decoded into one mapping of huge pages per stage
     (:class:`_Arena`), not a buffer each. Raw
@@ -358,7 +358,7 @@ class VaultCheckpoint(ObjectCheckpoint):
 
 
 #: Kept objects at least this large are copied by numpy, without the GIL (measured on the
-#: 13 MB GPT-2 of docs/benchmarks.md, section 11: a load's quartile 13.5-13.7 ms against
+#: 13 MB GPT-2 of docs/benchmarks-log.md, section 11: a load's quartile 13.5-13.7 ms against
 #: 14.0-15.3 ms copying through memoryviews).
 _NUMPY_COPY = 1 << 16
 
@@ -380,7 +380,7 @@ class _Arena:
     freed heap top of more than a few MiB back to the system. One mapping of huge pages
     (``MADV_HUGEPAGE``: transparent huge pages where the kernel offers them) is faulted in
     2 MiB at a time and unmapped in one call; measured on the 13 MB GPT-2 of
-    docs/benchmarks.md (section 11), decoding its objects took 6.4 ms into one such mapping
+    docs/benchmarks-log.md (section 11), decoding its objects took 6.4 ms into one such mapping
     against 11.1 ms into fresh 4 KiB pages, and freeing 0.1 ms against 1.5 ms. Untouched
     pages cost nothing, so the mapping may be sized for the whole budget. The mapping is
     unmapped when the last view of it is released (a tensor may still hold one after the

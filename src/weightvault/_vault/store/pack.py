@@ -2,7 +2,7 @@
 
 Creating a file costs a few hundred microseconds on a local disk (and a request on an
 object store) however small it is, so a save of many small tensors spent most of its time
-creating files (docs/benchmarks.md, section 14). A save that writes two or more objects
+creating files (docs/benchmarks-log.md, section 14). A save that writes two or more objects
 now writes them into one pack, ``packs/<id>.pack``::
 
     b"WVPACK01"                                  8 bytes

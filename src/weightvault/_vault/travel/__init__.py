@@ -8,8 +8,9 @@ In the order they are called:
    by checkpoint and in batches, sends the missing objects and commits each record.
 3. :mod:`.select` chooses the checkpoints to send: those asked for, less those the
    receiver holds already.
-4. :mod:`.plan` finds which objects the receiver lacks, following delta chains, and which
-   of them go whole instead of as a long chain.
+4. :mod:`.plan` finds which objects the receiver lacks, following each delta's base
+   (an anchor, or the links of an older vault's chain), and which of them go whole
+   instead of bringing bases no checkpoint being sent needs.
 5. :mod:`.send` reads each object's file from the source and checks it (decoded and
    hashed against its name), or re-encodes it whole.
 6. :mod:`.deliver` writes the checked files on the receiver, durably, never replacing

@@ -1,5 +1,5 @@
 """The plan of a transfer: what the receiver holds, each missing object's frame, and which
-objects are sent whole instead of as a long delta chain.
+objects are sent whole instead of as a delta whose bases would also have to travel.
 
 :class:`Plan` is built once the receiver's intent is visible: it lists the receiver's
 objects, reads the source frame of each missing one down its chain (naming each base in

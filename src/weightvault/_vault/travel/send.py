@@ -19,7 +19,7 @@ import contextlib
 from ..._base.errors import ChecksumError, FormatError
 from ..objects.address import object_key
 from ..objects.codec import Codec
-from ..objects.encoding import Parts, encode_full
+from ..objects.encoding import ANCHOR_PAYS, Parts, encode_full
 from ..objects.file import object_file
 from ..objects.frame import HEADER_SIZE, Frame
 from ..objects.probe import parse_head
@@ -76,7 +76,8 @@ def whole(source: Store, digest: str, nbytes: int, frame: Frame | None, codec: C
         raise FormatError("it is missing") from None
     except ChecksumError:
         raise FormatError(_MISMATCH) from None
-    parts = encode_full(raw, frame.itemsize if frame is not None else 4, codec)
+    # Whole, it is what the receiver's loads read, and the anchor of its deltas to come.
+    parts = encode_full(raw, frame.itemsize if frame is not None else 4, codec, pays=ANCHOR_PAYS)
     # Checked as every sent file is: a codec fault must not reach the receiver.
     why = check(source, digest, nbytes, b"".join(parts))
     if why is not None:

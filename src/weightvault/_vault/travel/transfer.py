@@ -6,18 +6,20 @@ object by the blake3 of its raw bytes, so "the receiver holds it" is one lookup,
 object is sent as its file is stored (raw bytes, a compressed frame, or a delta on a base
 the receiver then needs too): nothing is decoded and encoded again, with one exception.
 
-**Long chains.** An older checkpoint's changed tensor is a delta on the next one's, and
-so on up to a full object (see :mod:`..upkeep.compact`). Pulled alone, it would bring
-every link. When the links of an object's chain that no checkpoint being sent names and the
-receiver lacks add up to more than the tensor's raw size, the object is sent **whole**
-instead: decoded on the sender, its blake3 checked, compressed as the compactor would a
-newest object. So a checkpoint pulled alone costs about what it would cost saved alone.
+**Deltas whose anchor does not travel.** A checkpoint's changed tensor is usually a delta
+on its anchor, a whole object of an older checkpoint (see :mod:`..upkeep.compact`); a
+vault chained by an older compactor holds longer chains. Pulled alone, a delta would
+bring its anchor (or every link) too. When the links that no checkpoint being sent names
+and the receiver lacks add up to more than the tensor's raw size, the object is sent
+**whole** instead: decoded on the sender, its blake3 checked, and stored as the compactor
+stores a whole weight (raw, unless compression saves a quarter). So a checkpoint pulled
+alone costs about what it would cost saved alone.
 
 **What the receiver is guaranteed.** The receiving side follows the commit protocol of
 :mod:`..writing.commit`, as a save does:
 
 1. An intent naming every object the transfer will reference is written first, before
-   the receiver is asked what it holds; bases found while following chains are added to
+   the receiver is asked what it holds; bases found while following deltas are added to
    it (it is rewritten, never absent) before they are looked up, and it is rewritten
    after every batch so it never ages into one gc expires. A gc on the receiver
    therefore frees nothing the transfer relies on (:mod:`..upkeep.gc`).
@@ -27,7 +29,7 @@ newest object. So a checkpoint pulled alone costs about what it would cost saved
    committed.
 3. Objects are written durable and **never replace** an object the receiver holds (an
    exclusive link on a local disk, ``If-None-Match`` on S3): the receiver's own encoding
-   of a name, and the chains its compactor built on it, stay as they are.
+   of a name, and the deltas its compactor built on it, stay as they are.
 4. The record is created last, exclusively, once everything it needs is durable. A
    name the receiver already has is left alone when it is the same checkpoint (the same
    record, or one a retention made weights-only on either side), and refused with

@@ -1,40 +1,49 @@
-"""The compactor: compression and backward deltas, after a save has committed.
+"""The compactor: compression and deltas on anchors, after a save has committed.
 
 A save writes raw objects and leaves a to-do marker, ``compact/<name>.todo``, beside its
-record (:func:`mark`). Compacting checkpoint N then does two things:
+record (:func:`mark`). Every object the compactor leaves is either *whole* (raw bytes,
+or a full compressed frame) or one delta on a whole object of the same tensor (same
+name, dtype and shape) in an older checkpoint, its *anchor*; never a delta on a delta,
+so a load of any checkpoint reads at most two objects per tensor. Compacting checkpoint
+N then does two things:
 
-1. **The newest loads whole.** Each object of N becomes a full compressed object (a
-   frame, when that saves at least 5%), or stays raw. The background compactor
-   (``settle=False``) leaves raw the objects that are new in the newest checkpoint, and
-   its marker in place: a resume, which reads the newest, then copies raw bytes instead
-   of decoding them, and the next save's compaction turns them into deltas (or full
-   compressed objects) anyway. Objects the newest shares with the checkpoint before it,
-   and its frozen tensors' objects (a frozen backbone), are compressed at once, but only
-   when that saves at least ``1 - SHARED_PAYS`` (a quarter) of them: every resume of every
-   checkpoint that shares one decodes it, and the vault stores it once already, so on
-   trained fp32 weights (about 0.84) they stay raw. :meth:`Vault.compact`, ``gc`` and
-   ``weightvault vault compact`` settle: they compress the newest too.
-2. **Deltas point back.** Each object X of the checkpoint before N (P) whose tensor (same
-   name, dtype and shape) has another object Y in N becomes a delta on Y, when that is
-   smaller than X in full. So a resume reads one object per tensor, and older
-   checkpoints read a chain that ends at a newer full object. At most ``max_chain``
-   deltas ever hang behind one full object: an X with that many behind it stays full
-   (a *key object*), so any checkpoint reads at most ``max_chain + 1`` objects per
-   tensor. Training state dropped from old checkpoints is never the base of a kept one.
+1. **The newest loads whole.** Each object of N is made whole. A whole weight is
+   compressed only when that saves at least a quarter of it
+   (:data:`~..objects.encoding.ANCHOR_PAYS`): a resume reads the newest, and every delta
+   on an anchor reads the anchor, so trained fp32 weights (about 0.84) stay raw and such
+   a read is a copy, not a decode; bf16 weights (about 0.7) and constant buffers are
+   compressed. Training state is compressed when that saves at least 5%. The background
+   compactor (``settle=False``) leaves raw the objects that are new in the newest
+   checkpoint, and its marker in place, so a resume copies raw bytes; objects the newest
+   shares with the checkpoint before it (a frozen backbone) are encoded at once.
+   :meth:`Vault.compact`, ``gc`` and ``weightvault vault compact`` settle: they encode
+   the newest's own objects too.
+2. **Deltas on anchors.** Each changed weight object X of the checkpoint before N (P, the
+   former newest) becomes a delta on its tensor's anchor: the whole object that the
+   checkpoint before P holds for the tensor, or the base that one is a delta on
+   (:func:`.probes.anchor_for`). X stays whole instead, and is the next anchor, when
+   ``max_chain`` deltas (``Vault(delta_chain=...)``, 9 by default) point at the anchor
+   already, when the delta is not smaller than X whole (it stops paying), or when no
+   older checkpoint holds the tensor alike or its object is not whole. An object a later
+   checkpoint's delta points at is an anchor and stays whole. A vault chained by an
+   older compactor (an older checkpoint a delta on the next one) keeps its chains as
+   they are: an object on such a chain is no anchor, so anchors start from the next
+   save on. **Training state is never a delta**: retention drops the oldest state
+   first, so a kept checkpoint's state built on an older anchor would rest on state
+   that goes; and a delta of Adam's first moment does not pay at all.
 3. **A resumable oldest loads whole too.** The oldest checkpoint, when it holds training
-   state (a run's start, what a user restarts from), is never turned into deltas. When
-   deleting checkpoints makes a delta checkpoint the oldest (or the newest: deleting the
-   newest leaves the one before it a delta on what went), ``Vault.delete`` and
-   ``retain`` leave it a to-do marker, and its compaction makes its delta objects full
-   again (the newest's too when the background compactor leaves its raw objects raw); a
-   crash between the two leaves it deltas, loadable. In a run of ``max_chain + 1``
-   checkpoints that costs nothing (the two full objects are the newest and the oldest
-   instead of the newest and the one ``max_chain`` behind it); otherwise at most one
-   more full object per tensor than chains alone would keep. A weights-only oldest
-   (``training_state_last``, or a retain that dropped its state later and left it a
-   marker) is history: its full objects become deltas on the next checkpoint's, onto
-   that object's chain when it is short enough (:func:`.policy.delta_oldest`), so a retain
-   after the run leaves what ``Vault(training_state_last=N)`` would have.
+   state (a run's start, what a user restarts from), stays whole; it is the first anchor
+   anyway. When deleting checkpoints makes a delta checkpoint the oldest or the newest,
+   ``Vault.delete`` and ``retain`` leave it a to-do marker, and its compaction makes its
+   delta objects whole (:func:`.policy.whole_ends`); a crash between the two leaves it
+   deltas, loadable. A weights-only oldest (``training_state_last``, or a retain that
+   dropped its state later and left it a marker) stays whole where it is the anchor of
+   the checkpoints after it; an object of it that no later delta points at becomes a
+   delta on the anchor the next checkpoint reads (:func:`.policy.delta_oldest`), so a
+   retain after the run leaves what ``Vault(training_state_last=N)`` would have.
+   Deleting an anchor's checkpoint rebases nothing: the anchor object stays as the base
+   of its deltas, and gc frees it once no delta points at it. A rebase would decode and
+   encode every dependent to free about one delta's bytes (one of them becomes whole).
 
 An object is named by the blake3 of its raw bytes, so a new encoding replaces the old
 one atomically (a rename over it) and every reader, before or after, gets the same raw
@@ -43,23 +52,25 @@ bytes. Safety, point by point:
 - **Never from damaged bytes.** Every object is decoded and its blake3 checked against
   its name before anything is encoded from it. A damaged object is reported and left as
   it is; nothing is built on it.
-- **No cycle.** A delta's base is always a full (or raw) object when the delta is
-  written: Y is made full and published before X is encoded against it. Only one
-  compactor runs per vault at a time (:class:`~.compact_lease.CompactLease`: an ``flock``
-  on a local disk, which the kernel releases when a process dies; an exclusive lease
-  file with a heartbeat on object stores), so nothing turns Y into a delta meanwhile.
-- **gc.** The compactor registers an intent naming every object it touches
-  (:func:`~.reencode.staging`, :mod:`..writing.commit`) and checks them in ``objects/``
-  after that, as a save does; gc keeps every base a live object's frame names, read
-  afresh each time (:mod:`.live`).
+- **No cycle.** A delta's base is always whole when the delta is written: the anchor is
+  a whole object (a base that is itself a delta is refused), and the pass's intent
+  names it, so a gc meanwhile keeps it. Only one compactor runs per vault at a time
+  (:class:`~.compact_lease.CompactLease`: an ``flock`` on a local disk, which the kernel
+  releases when a process dies; an exclusive lease file with a heartbeat on object
+  stores), and it never turns an object a delta points at into a delta, so an anchor
+  stays whole.
+- **gc.** The compactor registers an intent naming every object it touches, the new
+  checkpoint's and the anchors it points at (:func:`~.reencode.staging`,
+  :mod:`..writing.commit`), and checks them in ``objects/`` after that, as a save does;
+  gc keeps every base a live object's frame names, read afresh each time (:mod:`.live`).
 - **Crashes.** Each replacement is written to a temporary file, made durable, then
   renamed into place; a SIGKILL leaves the old encoding or the new, and at most a
   temporary file gc removes. The marker goes only once its checkpoint is done, so work
   left when a process exits is picked up by the next compaction.
 
 A pass, in calling order: take the lease (:mod:`.compact_lease`), read the records
-(:mod:`.records_cache`), compact each checkpoint to do (:mod:`.policy`, which probes
-chains with :mod:`.probes` and re-encodes with :mod:`.reencode`), keep the ends whole,
+(:mod:`.records_cache`), compact each checkpoint to do (:mod:`.policy`, which finds
+anchors with :mod:`.probes` and re-encodes with :mod:`.reencode`), keep the ends whole,
 then take packs apart (:mod:`.unpack`); :class:`CompactReport` (:mod:`.report`) says
 what was done.
 

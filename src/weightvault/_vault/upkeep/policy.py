@@ -15,12 +15,22 @@ from collections.abc import Callable
 
 from ..._base.dtypes import ITEMSIZE
 from ..._file.layout import is_training
-from ..objects.encoding import PAYS, SHARED_PAYS
-from .probes import _depth, is_delta, run_behind
+from ..objects.encoding import ANCHOR_PAYS, PAYS, SHARED_PAYS
+from .probes import anchor_for, base_of, has_dependents, is_delta
 from .records_cache import Records, Tensors
 from .reencode import Work, staging, to_delta, to_full
 
-__all__ = ["compact_one", "delta_oldest", "resumable", "whole_ends"]
+__all__ = ["compact_one", "delta_oldest", "resumable", "whole_ends", "whole_pays"]
+
+
+def whole_pays(tensor: str, shared: bool) -> float:
+    """The most a whole object of ``tensor`` may keep of its raw bytes once compressed
+    (:func:`~.reencode.to_full`'s ``pays``): weights are anchors, read by every delta on
+    them (:data:`~..objects.encoding.ANCHOR_PAYS`); training state is read by its own
+    checkpoint alone, unless checkpoints share it (``shared``)."""
+    if not is_training(tensor):
+        return ANCHOR_PAYS
+    return SHARED_PAYS if shared else PAYS
 
 
 def compact_one(
@@ -33,9 +43,9 @@ def compact_one(
     new_raw: bool = False,
 ) -> None:
     """Compact checkpoint ``records.names[index]`` (see :mod:`.compact`), tensor by
-    tensor: its object made full, then the previous checkpoint's turned into a delta on
-    it while its verified raw bytes are still at hand. ``new_raw`` leaves raw the objects
-    the previous checkpoint does not hold."""
+    tensor: its objects made whole, then the previous checkpoint's objects turned into
+    deltas on their tensors' anchors, or kept whole as new anchors. ``new_raw`` leaves
+    raw the objects the previous checkpoint does not hold."""
     store = work.store
     name = records.names[index]
     new = records.tensors(name)
@@ -44,8 +54,8 @@ def compact_one(
     prev = records.names[index - 1] if index > 0 else None
     old = (records.tensors(prev) if prev else None) or {}
     # A resumable oldest's objects stay whole (going back to a run's start is one
-    # decode), also where the checkpoint before this one shares them (a tensor unchanged
-    # since then). A weights-only oldest is history like the rest: deltas.
+    # read), also where the checkpoint before this one shares them (a tensor unchanged
+    # since then). A weights-only oldest is history like the rest.
     oldest = records.oldest()
     oldest_tensors = records.tensors(oldest) if oldest else None
     oldest_objects = (
@@ -53,20 +63,17 @@ def compact_one(
         if oldest_tensors and resumable(oldest_tensors)
         else set()
     )
-    # The intent names the new checkpoint's objects, the bases of every delta written
-    # here: a gc keeps them even if that checkpoint is deleted meanwhile. The older
-    # objects are named by their own record, or were dropped (training state a retain
-    # took away): a gc may free those, and they are left alone (see still_named).
+    # The intent names the new checkpoint's objects and the previous one's anchors: a
+    # gc keeps them even if their checkpoints are deleted meanwhile. The older objects
+    # are named by their own record, or were dropped (training state a retain took
+    # away): a gc may free those, and they are left alone (see still_named).
     keep_whole = {d for d, *_ in new.values()}  # what the newer checkpoint reads stays whole
     shared = {d for d, *_ in old.values()} & keep_whole
-    # Read by every resume of the checkpoints that share it: compressed only if that
-    # saves much (SHARED_PAYS).
     spared = shared | records.frozen(name)
+    anchors = _anchors(records, index, old, keep_whole | oldest_objects, work.storage.max_chain)
     done: set[str] = set()
-    limit = work.storage.max_chain
-    with staging(work, keep_whole) as staged:
-        for tensor, (digest, dtype, shape, nbytes) in new.items():
-            itemsize = ITEMSIZE.get(dtype, 4)
+    with staging(work, keep_whole | set(anchors.values())) as staged:
+        for tensor, (digest, dtype, _, nbytes) in new.items():
             if (
                 make_full
                 and digest not in done
@@ -74,37 +81,46 @@ def compact_one(
             ):
                 done.add(digest)
                 pause()
-                pays = SHARED_PAYS if digest in spared else PAYS
-                if to_full(work, digest, nbytes, itemsize, f"{name}: {tensor}", staged, pays):
-                    work.publish(staged)  # it was a delta: full on disk before a delta names it
-            old_entry = old.get(tensor)
-            if old_entry is None or old_entry[0] in keep_whole or old_entry[0] in done:
+                pays = whole_pays(tensor, digest in spared)
+                where = f"{name}: {tensor}"
+                if to_full(work, digest, nbytes, ITEMSIZE.get(dtype, 4), where, staged, pays):
+                    work.publish(staged)  # it was a delta: whole before a delta names it
+        for tensor, (digest, dtype, _, nbytes) in old.items():
+            if digest in keep_whole or digest in done:
                 continue
-            done.add(old_entry[0])
+            done.add(digest)
             pause()
-            if prev is None or not records.still_named(prev, tensor, old_entry[0]):
+            if prev is None or not records.still_named(prev, tensor, digest):
                 continue
-            where = f"{prev}: {tensor}"
-            if (
-                limit > 0
-                and old_entry[0] not in oldest_objects
-                and (old_entry[1], old_entry[2]) == (dtype, shape)
-                and run_behind(records, index - 1, tensor, old_entry[0], dtype, shape, limit)
-                < limit
-                and to_delta(
-                    work, old_entry[0], digest, nbytes, itemsize, where, f"{name}: {tensor}", staged
-                )
+            where, itemsize = f"{prev}: {tensor}", ITEMSIZE.get(dtype, 4)
+            anchor = anchors.get(digest)
+            if anchor is not None and to_delta(
+                work, digest, anchor, nbytes, itemsize, where, f"the anchor of {where}", staged
             ):
                 continue
-            to_full(work, old_entry[0], old_entry[3], ITEMSIZE.get(old_entry[1], 4), where, staged)
-        for tensor, (digest, dtype, _, nbytes) in old.items():  # tensors the new one lacks
-            if digest not in keep_whole and digest not in done:
-                done.add(digest)
-                pause()
-                if prev is not None and records.still_named(prev, tensor, digest):
-                    where = f"{prev}: {tensor}"
-                    to_full(work, digest, nbytes, ITEMSIZE.get(dtype, 4), where, staged)
+            # Whole: training state, a resumable oldest's, an anchor, or the next anchor.
+            to_full(work, digest, nbytes, itemsize, where, staged, whole_pays(tensor, False))
         work.publish(staged)
+
+
+def _anchors(
+    records: Records, index: int, old: Tensors, whole: set[str], most: int
+) -> dict[str, str]:
+    """``{object: its anchor}`` for the objects of checkpoint ``index - 1`` (``old``) that
+    may become deltas: weights, not in ``whole`` (what the newer checkpoint or a
+    resumable oldest reads), and not an anchor that a later delta points at already."""
+    out: dict[str, str] = {}
+    if most <= 0 or index < 1:
+        return out
+    for tensor, (digest, dtype, shape, _) in old.items():
+        if digest in whole or digest in out or is_training(tensor):
+            continue
+        if has_dependents(records, index, tensor, digest):
+            continue
+        anchor = anchor_for(records, index - 1, tensor, digest, dtype, shape, most)
+        if anchor is not None:
+            out[digest] = anchor
+    return out
 
 
 def resumable(tensors: Tensors) -> bool:
@@ -120,7 +136,7 @@ def whole_ends(
     marked: set[str],
     pause: Callable[[], None],
 ) -> None:
-    """Make the delta objects of the oldest and the newest checkpoint full.
+    """Make the delta objects of the oldest and the newest checkpoint whole.
 
     Deleting the oldest or the newest checkpoint leaves its neighbour a to-do marker
     (``Vault.delete``), but a compaction running at that moment may remove the marker as
@@ -153,60 +169,64 @@ def whole_ends(
                 pause()
                 if records.still_named(name, tensor, digest):
                     where = f"{name}: {tensor}"
-                    to_full(work, digest, nbytes, ITEMSIZE.get(dtype, 4), where, staged)
+                    pays = whole_pays(tensor, False)
+                    to_full(work, digest, nbytes, ITEMSIZE.get(dtype, 4), where, staged, pays)
                     work.publish(staged)
 
 
 def delta_oldest(work: Work, records: Records, oldest: str, pause: Callable[[], None]) -> None:
-    """Turn the full objects of a weights-only oldest checkpoint into deltas on the next
-    checkpoint's, where the chain stays within ``max_chain``.
+    """Turn the whole objects of a weights-only oldest checkpoint into deltas on the next
+    checkpoint's anchors, where no later delta points at them.
 
     The oldest was kept whole while it held training state; a retain that drops it later
     (``retain(training_state_last=N)`` after a run) leaves it a to-do marker, and this
-    makes the disk what ``Vault(training_state_last=N)`` would have made it. The next
-    checkpoint's object is usually a delta by then, so the chain from it is followed
-    first: it must end at a full object within ``max_chain - 1`` links and never pass
-    through the object being rewritten (no cycle).
+    makes the disk what ``Vault(training_state_last=N)`` would have made it. Usually the
+    oldest is the anchor of the checkpoints after it and stays whole; an object the next
+    checkpoint does not point at becomes a delta on the anchor that one reads.
     """
-    limit = work.storage.max_chain
     index = records.names.index(oldest)
     after = records.names[index + 1 : index + 2]
     tensors, newer = records.tensors(oldest), records.tensors(after[0]) if after else None
-    if limit <= 0 or not tensors or not newer:
+    if work.storage.max_chain <= 0 or not tensors or not newer:
         return
     pairs = []
     for tensor, (digest, dtype, shape, nbytes) in tensors.items():
         entry = newer.get(tensor)
         if entry is None or entry[0] == digest or (entry[1], entry[2]) != (dtype, shape):
             continue
-        if is_delta(work.store, digest):
-            continue  # a delta already (from a compaction before the training state went)
-        pairs.append((tensor, digest, entry[0], dtype, nbytes))
+        if is_training(tensor) or is_delta(work.store, digest):
+            continue
+        anchor = base_of(work.store, entry[0]) or entry[0]
+        if anchor == digest or is_delta(work.store, anchor):
+            continue  # the oldest is the next one's anchor, or an older chain
+        pairs.append((tensor, digest, anchor, dtype, nbytes))
     if not pairs:
         return  # before reading every record below
-    # An object a later checkpoint also names (a tensor changed, then changed back) is
-    # left whole: chains through it were counted with it as their end.
+    # An object a later checkpoint also names (a tensor changed, then changed back), or
+    # that a later delta points at, is left whole.
     elsewhere = {
         d for n in records.names if n != oldest for d, *_ in (records.tensors(n) or {}).values()
     }
-    pairs = [p for p in pairs if p[1] not in elsewhere]
+    pairs = [
+        p
+        for p in pairs
+        if p[1] not in elsewhere and not has_dependents(records, index + 1, p[0], p[1])
+    ]
     if not pairs:
         return
     names = {d for _, d, *_ in pairs} | {b for _, _, b, *_ in pairs}
     done: set[str] = set()
     with staging(work, names) as staged:
-        for tensor, digest, base, dtype, nbytes in pairs:
+        for tensor, digest, anchor, dtype, nbytes in pairs:
             if digest in done:
                 continue
             done.add(digest)
             pause()
             if not records.still_named(oldest, tensor, digest):
                 continue
-            if _depth(work.store, base, digest, limit - 1) is None:
-                continue
-            where, base_where = f"{oldest}: {tensor}", f"{after[0]}: {tensor}"
+            where = f"{oldest}: {tensor}"
             itemsize = ITEMSIZE.get(dtype, 4)
             to_delta(
-                work, digest, base, nbytes, itemsize, where, base_where, staged, onto_chain=True
+                work, digest, anchor, nbytes, itemsize, where, f"the anchor of {where}", staged
             )
-            work.publish(staged)  # one at a time: the next one's chain check sees it
+        work.publish(staged)

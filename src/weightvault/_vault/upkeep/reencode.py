@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..._base.errors import FormatError
+from ..._file.checkpoint import new_buffer
 from ..objects.address import checksum, content_hash, object_key
 from ..objects.encoding import (
     PAYS,
@@ -35,7 +36,7 @@ from ..writing.commit import begin, release
 from .probes import _head
 from .report import CompactReport
 
-__all__ = ["Damaged", "Staged", "Work", "round_trip", "staging", "to_delta", "to_full"]
+__all__ = ["Buffers", "Damaged", "Staged", "Work", "round_trip", "staging", "to_delta", "to_full"]
 
 #: ``{digest: (staging token, old size, new size)}``: a pass's files not yet in place.
 Staged = dict[str, tuple[str, int, int]]
@@ -54,6 +55,45 @@ _STAYS_RAW_MAX = 1 << 16
 _RECENT = 3
 
 
+class Buffers:
+    """Memory a compaction has touched already, handed out again by size class.
+
+    A compaction reads, and round-trips, every object of its checkpoints in turn; a new
+    buffer for each was new memory, which the kernel zeroes page by page before the read
+    fills it: on a 2-core machine, ``clear_page`` was 37% of a GPT-2 compaction's samples, and
+    the reads made ``compact()`` 1.23-1.28x of what it took when objects were mapped
+    (docs/benchmarks-log.md, 37). A buffer is a power of two of at least 64 KiB, and at
+    most :data:`_SPARE` free ones of each size (one of 64 MiB or more) are held.
+
+    Example:
+        >>> pool = Buffers()
+        >>> a = pool.take(100_000)
+        >>> pool.give(a)
+        >>> pool.take(70_000) is a
+        True
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[memoryview]] = {}
+
+    def take(self, nbytes: int) -> memoryview:
+        """A buffer of at least ``nbytes``, its contents left as they were."""
+        size = max(_SMALLEST, 1 << max(0, nbytes - 1).bit_length())
+        free = self._free.get(size)
+        return free.pop() if free else new_buffer(size)
+
+    def give(self, buffer: memoryview) -> None:
+        """Hand ``buffer`` (from :meth:`take`) back; no view of it may be used after."""
+        free = self._free.setdefault(buffer.nbytes, [])
+        if len(free) < (_SPARE if buffer.nbytes < _LARGE else 1):
+            free.append(buffer)
+
+
+#: Free buffers :class:`Buffers` holds of one size (and of one size of _LARGE or more).
+_SPARE = 3
+_SMALLEST, _LARGE = 64 << 10, 64 << 20
+
+
 class Work:
     """One compaction's state: what it read, what it wrote, what it found damaged."""
 
@@ -61,10 +101,18 @@ class Work:
         self.store, self.storage, self.report = store, storage, report
         self.bad: set[str] = set()
         self._recent: dict[str, memoryview] = {}  # the last few verified raw bytes
+        self._buffers: dict[str, memoryview] = {}  # the buffer each of them fills
+        #: Memory that reads and round trips fill, handed back once they are done.
+        self.buffers = Buffers()
+        self._taken: memoryview | None = None  # the buffer of the read in progress
 
     def raw(self, digest: str, nbytes: int, where: str) -> memoryview:
         """The verified raw bytes of ``digest`` (the last few are kept: an object made
         full is the base of the next delta, which then needs no second decode or hash).
+
+        The bytes are read into memory of :attr:`buffers` that an earlier read filled,
+        so the view returned holds them only until :data:`_RECENT` more objects have
+        been read: callers use it before asking for more.
 
         Raises:
             Damaged: They do not decode, or their blake3 is not the name (reported), or
@@ -76,12 +124,15 @@ class Work:
             raise Damaged(digest)
         if digest in self._recent:
             return self._recent[digest]
+        self._taken = None
         try:
-            data = read_object(self.store, digest, nbytes)
+            data = read_object(self.store, digest, nbytes, into=self._buffer)
             if data.nbytes == nbytes and content_hash(data) == digest:
                 self._recent[digest] = data
+                if self._taken is not None:
+                    self._buffers[digest], self._taken = self._taken, None
                 while len(self._recent) > _RECENT:
-                    del self._recent[next(iter(self._recent))]
+                    self._forget(next(iter(self._recent)))
                 return data
             why = "its bytes do not match its name (blake3)"
         except FileNotFoundError:
@@ -89,9 +140,26 @@ class Work:
             raise Damaged(digest) from None
         except FormatError as e:
             why = str(e)
+        finally:
+            if self._taken is not None:  # read, but not kept: the next read may use it
+                self.buffers.give(self._taken)
+                self._taken = None
         self.bad.add(digest)
         self.report.damaged.append(f"{self.store.url}/{object_key(digest)} ({where}): {why}")
         raise Damaged(digest)
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        """``nbytes`` (or more) of memory for :meth:`raw` to read into, taken by the read
+        in progress until it is kept."""
+        self._taken = self.buffers.take(nbytes)
+        return self._taken
+
+    def _forget(self, digest: str) -> None:
+        """Stop keeping ``digest``; its buffer goes back to the pool."""
+        del self._recent[digest]
+        buffer = self._buffers.pop(digest, None)
+        if buffer is not None:
+            self.buffers.give(buffer)
 
     def publish(self, staged: dict[str, tuple[str, int, int]]) -> None:
         """Put the staged ``{digest: (token, old size, new size)}`` files in place."""
@@ -119,21 +187,32 @@ class Work:
         Raises:
             FormatError: They do not (a codec fault): nothing is staged.
         """
-        round_trip(parts, raw, base)
+        round_trip(parts, raw, base, self.buffers)
         staged[digest] = (self.store.stage(object_key(digest), parts), old, size_of(parts))
 
 
-def round_trip(parts: Parts, raw: memoryview, base: memoryview | None) -> None:
-    """Check that the file ``parts`` decodes to ``raw`` (applied on ``base`` for a delta)."""
+def round_trip(
+    parts: Parts, raw: memoryview, base: memoryview | None, buffers: Buffers | None = None
+) -> None:
+    """Check that the file ``parts`` decodes to ``raw`` (applied on ``base`` for a delta),
+    decoding into memory of ``buffers`` when given."""
     data = memoryview(parts[0] if len(parts) == 1 else b"".join(parts)).cast("B")
     if not is_frame(data) or data.nbytes == raw.nbytes:
         if bytes(data) != bytes(raw):
             raise FormatError("an encoded object does not hold its raw bytes")
         return
     frame = parse_frame(data, raw.nbytes)
-    out = memoryview(bytearray(base if frame.base is not None and base is not None else raw.nbytes))
-    decode_into(data, frame, out, 0)
-    if checksum(out) != checksum(raw):
+    pool = buffers or Buffers()
+    whole = pool.take(raw.nbytes)
+    try:
+        with whole[: raw.nbytes] as out:
+            if frame.base is not None and base is not None:
+                out[:] = base.cast("B")  # a delta applies to its base's bytes
+            decode_into(data, frame, out, 0)
+            same = checksum(out) == checksum(raw)
+    finally:
+        pool.give(whole)
+    if not same:
         raise FormatError("an encoded object does not decode to its raw bytes (codec fault)")
 
 
