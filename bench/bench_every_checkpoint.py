@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np
 import torch
 from _common import machine, med, quiesce, save_plain_files, spread
-from bench_vault_speed import _files_load, _touch, lm_states
+from bench_vault_speed import _files_load, _touch, gpt2_states, lm_states
 
 from weightvault import Vault
 from weightvault._file.layout import is_training
@@ -89,25 +89,6 @@ SLICE = 1 << 16
 
 
 # -- the states --------------------------------------------------------------------------
-
-
-def gpt2_states(steps: int, lr: float) -> Iterator[tuple[Any, Any]]:
-    """GPT-2 (``SHAPE``, seeded, from its config) and AdamW at ``lr`` after each of 10
-    rounds of ``steps`` steps on the standard library's bytes (bench_vault_speed's data)."""
-    import _train_lm as T
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**SHAPE)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    data = T.batches(T.text(), 0)
-    for _ in range(CHECKPOINTS):
-        for _ in range(steps):
-            batch = next(data)[:4]
-            model(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        yield model, opt
 
 
 def settings(model: Any, opt: Any) -> dict[str, Any]:
@@ -561,7 +542,7 @@ def main() -> None:
             return
         states = lm_states(args.lm_dir)
     else:
-        states = gpt2_states(args.steps, args.lr)
+        states = gpt2_states(args.steps, lr=args.lr, shape=SHAPE)
     if args.scratch is not None:
         args.scratch.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="wv-bench-every-", dir=args.scratch))

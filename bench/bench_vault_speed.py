@@ -76,26 +76,36 @@ def _cpu() -> float:
 SHAPE = {"n_layer": 6, "n_embd": 512, "n_head": 8, "n_positions": 256}
 
 
-def gpt2_model(frozen: bool = False, ln_f: bool = False) -> tuple[Any, Any]:
-    """GPT-2 6 x 512 (seeded, from the config) and its AdamW at lr 1e-4; ``frozen``
-    leaves only the last block trainable (and the final norm, with ``ln_f``)."""
+def gpt2_model(
+    frozen: bool = False,
+    ln_f: bool = False,
+    *,
+    lr: float = 1e-4,
+    shape: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """GPT-2 6 x 512 (seeded, from the config, ``shape`` or :data:`SHAPE`) and its AdamW
+    at ``lr``; ``frozen`` leaves only the last block trainable (and the final norm, with
+    ``ln_f``)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**SHAPE)).train()
+    model = GPT2LMHeadModel(GPT2Config(**(SHAPE if shape is None else shape))).train()
     if frozen:
         model.requires_grad_(False)
         model.transformer.h[-1].requires_grad_(True)
         model.transformer.ln_f.requires_grad_(ln_f)
     params = [p for p in model.parameters() if p.requires_grad]
-    return model, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    return model, torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
-def gpt2_states(steps: int, frozen: bool = False, ln_f: bool = False) -> Iterator[tuple[Any, Any]]:
-    """GPT-2 6 x 512 and its AdamW after each of 10 rounds of ``steps`` training steps."""
+def gpt2_states(
+    steps: int, frozen: bool = False, ln_f: bool = False, **options: Any
+) -> Iterator[tuple[Any, Any]]:
+    """GPT-2 6 x 512 and its AdamW (``options``: :func:`gpt2_model`'s ``lr`` and ``shape``)
+    after each of 10 rounds of ``steps`` training steps."""
     import _train_lm as T
 
-    model, opt = gpt2_model(frozen, ln_f)
+    model, opt = gpt2_model(frozen, ln_f, **options)
     data = T.batches(T.text(), 0)
     for _ in range(CHECKPOINTS):
         for _ in range(steps):
