@@ -16,17 +16,23 @@ from typing import Any
 
 import numpy as np
 import pytest
-import xxhash
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
+from _frames import reseal_frame  # noqa: E402
 from weightvault import FormatError, Vault  # noqa: E402
 from weightvault._file.checkpoint import HASH_WINDOW  # noqa: E402
 from weightvault._vault.objects.codec import CODECS  # noqa: E402
-from weightvault._vault.objects.frame import HEADER_SIZE, blocks_intact, encode_frame, parse_frame  # noqa: E402
+from weightvault._vault.objects.frame import (  # noqa: E402
+    HEADER_SIZE,
+    SEAL_SIZE,
+    blocks_intact,
+    encode_frame,
+    parse_frame,
+)
 from weightvault._vault.objects.read import read_range  # noqa: E402
 
 N = 1 << 14  # floats: 64 KiB, one block
@@ -79,27 +85,18 @@ def refused(v: Vault, name: str, match: str) -> None:
 
 
 def patch(path: Path, offset: int, fmt: str, *value: Any) -> None:
+    """Patch one field, the frame's seal made to fit (so the field's own check is reached)."""
     data = bytearray(path.read_bytes())
     struct.pack_into(fmt, data, offset, *value)
+    reseal_frame(data, blocks=False)
     path.write_bytes(bytes(data))
 
 
 def reseal(path: Path) -> None:
-    """Give a forged frame the block sums of its (forged) blocks, as a crafted file would
-    have them, so that the decoder's own checks are what is tested."""
+    """Give a forged frame the block sums of its (forged) blocks and its seal, as a crafted
+    file would have them, so that the decoder's own checks are what is tested."""
     data = bytearray(path.read_bytes())
-    raw, block = struct.unpack_from("<QQ", data, 16)
-    n = -(-raw // block)
-    offset = HEADER_SIZE + 16 * n
-    for i in range(n):
-        (length,) = struct.unpack_from("<Q", data, HEADER_SIZE + 16 * i)
-        struct.pack_into(
-            "<Q",
-            data,
-            HEADER_SIZE + 16 * i + 8,
-            xxhash.xxh3_64_intdigest(data[offset : offset + length]),
-        )
-        offset += length
+    reseal_frame(data)
     path.write_bytes(bytes(data))
 
 
@@ -153,7 +150,7 @@ def test_a_decompression_bomb_is_refused_without_decompressing(vault: Vault) -> 
 def test_a_block_whose_header_lies_about_its_size_never_overflows(vault: Vault) -> None:
     """python-blosc2 sizes its destination from the block's header: checked first."""
     path = objects(root(vault), "000002")["w"]
-    block = HEADER_SIZE + 16  # after the table's one entry: a length and a sum
+    block = HEADER_SIZE + 16 + SEAL_SIZE  # after the table's one entry and the seal
     patch(path, block + 4, "<i", 2 * N * 4)  # blosc2 header: nbytes
     reseal(path)
     refused(vault, "000002", "a compressed block claims 131072 raw bytes")
@@ -188,6 +185,7 @@ def test_a_cycle_of_deltas_is_refused_not_followed(vault: Vault) -> None:
     b = bytearray(d)  # the same frame, pointing back at the delta
     b[32:64] = bytes.fromhex(delta.name)
     struct.pack_into("<H", b, 12, 2)
+    reseal_frame(b)
     base.write_bytes(bytes(b))
     assert bytes.fromhex(base.name) == base_digest
     refused(vault, "000001", "cyclic")
@@ -198,6 +196,7 @@ def test_a_delta_on_itself_is_refused(vault: Vault) -> None:
     delta = objects(root(vault), "000001")["w"]
     d = bytearray(delta.read_bytes())
     d[32:64] = bytes.fromhex(delta.name)
+    reseal_frame(d)
     delta.write_bytes(bytes(d))
     refused(vault, "000001", "cyclic")
 
@@ -205,7 +204,7 @@ def test_a_delta_on_itself_is_refused(vault: Vault) -> None:
 @pytest.mark.parametrize(
     ("offset", "value", "match"),
     [
-        (8, 3, "unknown object frame version 3"),
+        (8, 4, "unknown object frame version 4"),
         (9, 77, "unknown codec id 77"),
         (11, 9, "unknown delta kind 9"),
     ],

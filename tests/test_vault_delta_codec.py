@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import xxhash
 from hypothesis import given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
+from _frames import reseal_frame  # noqa: E402
 from weightvault import FormatError, Vault  # noqa: E402
 from weightvault._vault.objects.codec import (  # noqa: E402
     CODECS,
@@ -30,7 +30,12 @@ from weightvault._vault.objects.codec import (  # noqa: E402
     delta_codec,
 )
 from weightvault._vault.objects.encoding import encode_delta  # noqa: E402
-from weightvault._vault.objects.frame import HEADER_SIZE, decode_into, parse_frame  # noqa: E402
+from weightvault._vault.objects.frame import (  # noqa: E402
+    HEADER_SIZE,
+    SEAL_SIZE,
+    decode_into,
+    parse_frame,
+)
 
 N = 1 << 14
 
@@ -164,10 +169,10 @@ def vault(tmp_path: Path) -> Vault:
 
 
 def reseal(path: Path) -> None:
-    """Give the frame's one block the sum of its (forged) bytes, as a crafted file would."""
+    """Give the frame's one block the sum of its (forged) bytes, and the frame its seal,
+    as a crafted file would."""
     data = bytearray(path.read_bytes())
-    total = xxhash.xxh3_64_intdigest(data[HEADER_SIZE + 16 :])
-    struct.pack_into("<Q", data, HEADER_SIZE + 8, total)
+    reseal_frame(data)
     path.write_bytes(bytes(data))
 
 
@@ -175,8 +180,12 @@ def forge_block(path: Path, block: bytes) -> None:
     """Replace the frame's one block with ``block``, its table entry and sum made to fit."""
     data = bytearray(path.read_bytes())
     struct.pack_into("<Q", data, HEADER_SIZE, len(block))
-    path.write_bytes(bytes(data[: HEADER_SIZE + 16]) + block)
+    path.write_bytes(bytes(data[:BLOCKS]) + block)
     reseal(path)
+
+
+#: Where a one-block frame's block starts: after its header, table entry and seal.
+BLOCKS = HEADER_SIZE + 16 + SEAL_SIZE
 
 
 def refused(v: Vault, name: str, match: str) -> None:
@@ -226,7 +235,7 @@ def test_any_damage_to_a_delta_block_loads_exactly_or_is_a_format_error(
     v.compact()
     path = object_path(where, "000002")
     blob = bytearray(path.read_bytes())
-    start = HEADER_SIZE + 16
+    start = BLOCKS
     at = data.draw(st.integers(start, len(blob) - 1))
     how = data.draw(st.sampled_from(["flip", "zero", "byte"]))
     if how == "flip":

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import xxhash
+
 from ..._base.errors import FormatError
 from ..store.backend import Store
 from ..store.pack import find, pack_key
@@ -136,15 +138,22 @@ def encode_delta(
     """Object ``raw``'s file as a delta against object ``digest`` (raw bytes ``base``)."""
     kind = delta_kind(itemsize, raw.nbytes)
     payload = memoryview(make_delta(raw.cast("B"), base.cast("B"), kind, itemsize))
+    # The base's own sum, so a load checks a raw base by reading it once (see .frame).
+    base_sum = xxhash.xxh3_64_intdigest(base)
     # Whole words of 2, 4 or 8 bytes may go to pcodec (see .codec: DELTAS), others to codec.
     if delta_codec(codec, itemsize, raw.nbytes) is not DELTAS:
-        return encode_frame(payload, itemsize, codec, base=digest, kind=kind, depth=1)
+        return encode_frame(
+            payload, itemsize, codec, base=digest, kind=kind, depth=1, base_sum=base_sum
+        )
     sample = payload[: PCODEC_SAMPLE - PCODEC_SAMPLE % itemsize]
     ours, theirs = (compress_block(c, sample, itemsize) for c in (DELTAS, codec))
     coder, packed = (DELTAS, ours) if len(ours) <= PCODEC_PAYS * len(theirs) else (codec, theirs)
     # A payload no longer than the sample is coded already: its one block, not again.
     whole = packed if 0 < payload.nbytes == sample.nbytes else None
-    return encode_frame(payload, itemsize, coder, base=digest, kind=kind, depth=1, compressed=whole)
+    return encode_frame(
+        payload, itemsize, coder, base=digest, kind=kind, depth=1, base_sum=base_sum,
+        compressed=whole,
+    )  # fmt: skip
 
 
 #: pcodec codes a delta only if, on a sample of its words, it takes at most this fraction

@@ -6,7 +6,7 @@ writes, every object written before frames existed, a full object under
 
     offset  size  field
     0       8     magic  b"\\x89WVO\\r\\n\\x1a\\n"
-    8       1     frame version (2; version 1 frames are still read)
+    8       1     frame version (3; versions 1 and 2 are still read)
     9       1     codec id (0 stored, 1 blosc2: byte planes + zstd, 2 pcodec: a
                   delta's words as unsigned integers; see .codec)
     10      1     item size: the byte planes each block was split into (1 to 255)
@@ -21,8 +21,12 @@ writes, every object written before frames existed, a full object under
     24      8     block size: raw bytes per block (the last block may be shorter)
     32      32    base: the blake3 digest of the delta's base object (zeros if full)
     64      e*n   the block table, one entry per block of the n = ceil(raw / block):
-                  version 1 (e = 8): the block's compressed length; version 2 (e = 16):
-                  its compressed length, then the xxh3-64 of its compressed bytes
+                  version 1 (e = 8): the block's compressed length; versions 2 and 3
+                  (e = 16): its compressed length, then the xxh3-64 of its compressed
+                  bytes
+    64+e*n  16    version 3 only, the seal: the xxh3-64 of the base object's raw bytes
+                  (0 for a full object), then the xxh3-64 of every byte before this
+                  field (the header, the block table and the base's sum)
     ...           the blocks, in order
 
 All integers are little-endian. The object is still named by the blake3 of its RAW
@@ -35,7 +39,10 @@ magic, which raw bytes starting with it never are (they are written as a stored 
 The block sums of version 2 let a load check a compressed object by reading it, without
 decoding it a second time (:func:`blocks_intact`): a frame is written only from raw bytes
 whose blake3 matched the object's name, so blocks that are the bytes written decode to
-the right tensor.
+the right tensor. Version 3 seals the header and block table too (a damaged header is
+refused when the frame is parsed, before any block is decoded into a tensor), and
+records the sum of a delta's base, so that a delta on a raw anchor is checked by reading
+the anchor once (:func:`raw_intact`) and decoded once, straight into the tensor.
 
 Everything here is bytes in, bytes out; :mod:`.objects` reads frames from a store and
 follows delta chains. Errors here say what is wrong with the frame; the readers add
@@ -69,6 +76,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_DEPTH",
+    "SEAL_SIZE",
     "VERSION",
     "VERSIONS",
     "Frame",
@@ -80,13 +88,17 @@ __all__ = [
     "is_frame",
     "parse_frame",
     "parse_frame_header",
+    "raw_intact",
     "table_size",
 ]
 
 MAGIC = b"\x89WVO\r\n\x1a\n"
-VERSION = 2
-#: Frame versions this code reads; version 1 has no block sums and strict depths.
-VERSIONS = (1, 2)
+VERSION = 3
+#: Frame versions this code reads; version 1 has no block sums and strict depths, and
+#: versions 1 and 2 no seal.
+VERSIONS = (1, 2, 3)
+#: Bytes of a version 3 frame's seal (the base's sum, then the header's).
+SEAL_SIZE = 16
 _HEADER = struct.Struct("<8sBBBBHHQQ32s")
 HEADER_SIZE = _HEADER.size  # 64
 #: The longest delta chain a reader follows; writers keep far shorter ones (see .delta).
@@ -115,11 +127,13 @@ class Frame:
     version: int = VERSION
     #: The xxh3-64 of each compressed block (version 2; empty for version 1).
     sums: tuple[int, ...] = ()
+    #: The xxh3-64 of a delta's base object's raw bytes (version 3; else ``None``).
+    base_sum: int | None = None
 
     @property
     def table_end(self) -> int:
-        """Where the first block starts: after the header and the block table."""
-        return HEADER_SIZE + _entry(self.version) * len(self.lengths)
+        """Where the first block starts: after the header, the block table and the seal."""
+        return _table_end(self.version, len(self.lengths))
 
     def block(self, i: int) -> tuple[int, int, int]:
         """Block ``i``'s ``(raw start, raw length, file offset)``."""
@@ -131,6 +145,11 @@ class Frame:
 def _entry(version: int) -> int:
     """Bytes of one block-table entry in a frame of ``version``."""
     return 8 if version == 1 else 16
+
+
+def _table_end(version: int, blocks: int) -> int:
+    """Where the first of ``blocks`` blocks starts in a frame of ``version``."""
+    return HEADER_SIZE + _entry(version) * blocks + (SEAL_SIZE if version >= 3 else 0)
 
 
 def is_frame(data: bytes | memoryview) -> bool:
@@ -146,6 +165,7 @@ def encode_frame(
     base: str | None = None,
     kind: int = 0,
     depth: int = 0,
+    base_sum: int = 0,
     compressed: bytes | memoryview | None = None,
 ) -> list[bytes | memoryview]:
     """The frame of ``raw`` (already a delta against its base, for one), as parts to join.
@@ -157,6 +177,7 @@ def encode_frame(
         base: The base object's digest, for a delta.
         kind: The delta's transform (:mod:`.transforms`), for a delta.
         depth: The chain depth, for a delta (its base's plus one).
+        base_sum: The xxh3-64 of the base's raw bytes, for a delta.
         compressed: ``raw``'s one block, already compressed with ``codec`` by the caller
             (``raw`` must then be non-empty and no longer than a block).
     """
@@ -174,8 +195,10 @@ def encode_frame(
         raw.nbytes, BLOCK, bytes.fromhex(base) if base else bytes(32),
     )  # fmt: skip
     entries = [v for b in blocks for v in (len(b), xxhash.xxh3_64_intdigest(b))]
-    table = struct.pack(f"<{len(entries)}Q", *entries)
-    return [header + table, *blocks]
+    head = header + struct.pack(f"<{len(entries)}Q", *entries)
+    head += struct.pack("<Q", base_sum if base else 0)
+    head += struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+    return [head, *blocks]
 
 
 def _fields(data: memoryview) -> tuple[int, ...]:
@@ -234,18 +257,28 @@ def parse_frame(data: memoryview, expected: int | None, size: int | None = None)
         raise FormatError(f"the frame claims {raw} raw bytes, the record says {expected}")
     n = -(-raw // block)
     entry = _entry(version)
-    if HEADER_SIZE + entry * n > min(size, data.nbytes):
+    end = _table_end(version, n)
+    if end > min(size, data.nbytes):
         raise FormatError(f"the frame's block table ({n} blocks) runs past its end (truncated)")
     table = struct.unpack_from(f"<{n * entry // 8}Q", data, HEADER_SIZE)
     lengths, sums = (table, ()) if version == 1 else (table[0::2], table[1::2])
-    total = HEADER_SIZE + entry * n + sum(lengths)
+    base_sum = None
+    if version >= 3:
+        base_sum, seal = struct.unpack_from("<QQ", data, end - SEAL_SIZE)
+        if xxhash.xxh3_64_intdigest(data[: end - 8]) != seal:
+            raise FormatError("the frame's header or block table does not match its seal (damaged)")
+        if base < 0:
+            base_sum = None  # a full object has no base
+    total = end + sum(lengths)
     if total != size:
         raise FormatError(
             f"the frame's blocks add up to {total} bytes, the object holds {size} "
             "(truncated or padded)"
         )
     digest = f"{base:064x}" if base >= 0 else None
-    return Frame(codec, planes, kind, depth, raw, block, digest, tuple(lengths), version, sums)
+    return Frame(
+        codec, planes, kind, depth, raw, block, digest, tuple(lengths), version, sums, base_sum
+    )
 
 
 def table_size(head: memoryview) -> int:
@@ -255,7 +288,7 @@ def table_size(head: memoryview) -> int:
         FormatError: The header is inconsistent or of an unknown version.
     """
     _, _, _, _, raw, block, _, version = _fields(head.cast("B"))
-    return HEADER_SIZE + _entry(version) * -(-raw // block)
+    return _table_end(version, -(-raw // block))
 
 
 #: Reads ``length`` bytes of a frame's file at ``offset`` (a slice, or a ``pread``).
@@ -288,7 +321,7 @@ def decode_range(
     (:func:`~.diff.apply_delta`); the range must then start and end on whole items. Only
     the blocks that cover the range are decoded, on all cores for large ranges unless
     ``parallel`` is false; a block that covers its part of the range whole is decoded
-    straight into ``out``, any other into one block-sized buffer of its own. With
+    straight into ``out``, any other into a block-sized buffer of a shared pool. With
     ``read_into`` (a ``preadv`` of the file), compressed blocks are read into a few
     buffers of one size that the call reuses: reading each into a new ``bytes`` of its
     own length left the allocator's heaps of every thread holding freed blocks it could
@@ -331,12 +364,19 @@ def decode_range(
         if not frame.kind and (lo, hi) == (b_start, b_start + length):
             _decompress(frame, src, target, private)
             return
-        block = memoryview(bytearray(length))
-        _decompress(frame, src, block, private)
-        if frame.kind:
-            apply_delta(target, block[lo - b_start : hi - b_start], frame.kind, frame.itemsize)
-        else:
-            target[:] = block[lo - b_start : hi - b_start]
+        # Scratch from the pool: a new bytearray is zeroed, and fresh memory faulted in
+        # page by page, for every delta block a load applies.
+        scratch = _BUFFERS.take(length)
+        try:
+            block = memoryview(scratch)[:length]
+            _decompress(frame, src, block, private)
+            part = block[lo - b_start : hi - b_start]
+            if frame.kind:
+                apply_delta(target, part, frame.kind, frame.itemsize)
+            else:
+                target[:] = part
+        finally:
+            _BUFFERS.give(scratch)
 
     if parallel:
         _map(one, wanted, out.nbytes)
@@ -380,6 +420,28 @@ def blocks_intact(read_into: ReadInto | None, read: Read, frame: Frame) -> bool 
     finally:
         if buffer is not None:
             _BUFFERS.give(buffer)
+
+
+def raw_intact(read_into: ReadInto, size: int, expected: int) -> bool:
+    """Whether the ``size`` raw bytes that ``read_into`` reads (a delta's raw base) have
+    the xxh3-64 ``expected`` that the delta's version 3 frame records for its base.
+
+    One read through a cache-sized window (:data:`HASH_WINDOW`), hashed while cached.
+    """
+    buffer = _BUFFERS.take(HASH_WINDOW)
+    try:
+        h = xxhash.xxh3_64()
+        with memoryview(buffer) as window:
+            for lo in range(0, size, HASH_WINDOW):
+                part = window[: min(HASH_WINDOW, size - lo)]
+                try:
+                    read_into(lo, part)
+                except FormatError:
+                    return False
+                h.update(part)
+        return h.intdigest() == expected
+    finally:
+        _BUFFERS.give(buffer)
 
 
 class _Buffers:
