@@ -236,7 +236,9 @@ def test_any_damage_to_a_delta_block_loads_exactly_or_is_a_format_error(
     path = object_path(where, "000002")
     blob = bytearray(path.read_bytes())
     start = BLOCKS
-    at = data.draw(st.integers(start, len(blob) - 1))
+    # Drawn independently of the frame's length, which the codec's choice may vary
+    # between runs: Hypothesis must see the same draws when it replays an example.
+    at = start + data.draw(st.integers(0, 1 << 30)) % (len(blob) - start)
     how = data.draw(st.sampled_from(["flip", "zero", "byte"]))
     if how == "flip":
         blob[at] ^= 1 << data.draw(st.integers(0, 7))
