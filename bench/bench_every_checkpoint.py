@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np
 import torch
 from _common import machine, med, quiesce, save_plain_files, spread
-from bench_vault_speed import _files_load, _touch, gpt2_states, lm_states
+from bench_vault_speed import _alternate as alternate, _files_load, _touch, gpt2_states, lm_states
 
 from weightvault import Vault
 from weightvault._file.layout import is_training
@@ -339,21 +339,6 @@ def check_bitwise(vault: Vault, name: str, folder: Path, other: Path, model: Any
     load_model(model, str(other / "model.safetensors"))
     vault.load(model, name)
     same(snapshot(model, opt)[0], want_w, f"{name} weights only")
-
-
-def alternate(contenders: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Each contender's times over ``rounds`` rounds in an order that rotates, after one
-    warm-up round (bench_vault_speed's ``_alternate``)."""
-    times: dict[str, list[float]] = {n: [] for n in contenders}
-    order = list(contenders)
-    for r in range(rounds + 1):
-        for name in order[r % len(order) :] + order[: r % len(order)]:
-            quiesce()
-            t0 = time.perf_counter()
-            contenders[name]()
-            if r:
-                times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def measure(
